@@ -1,0 +1,1 @@
+"""Lean ZeRO-3 trainer: validate -> plan -> load -> verify -> loop -> save."""

@@ -1,0 +1,514 @@
+"""The data plan: which sample goes to which rank, micro-batch and step, decided before any weight loads.
+
+Every rank computes the same plan from the same manifest (sorted by sample_id, then a seeded shuffle per
+epoch), so no rank needs to talk to another to know what it trains. The plan is plain data: print it,
+test it, write it next to the run. The coverage ledger records what each rank actually consumed, and
+`check_ledger` proves that every planned sample was trained exactly once per epoch.
+
+Layout of `EpochPlan.steps`: [step][rank][accum] -> MicroBatch. Within a global step, samples (fixed
+micro-batch size) or micro-batches (token budget) are dealt round-robin over ranks, so a tail padded with
+repeats spreads its repeats over ranks instead of piling them on the last one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from schemas.manifest import SampleRecord
+
+TAILS = ("error", "pad", "drop")
+BUCKET_SAMPLES_PER_SLOT = 64  # length grouping sorts within buckets of 64 samples per micro-batch of a global step
+
+
+class PlanError(ValueError):
+    """The samples cannot be laid out as asked; the message says the numbers and the options."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanConfig:
+    """How samples become steps. Validated at construction."""
+
+    world_size: int  # data-parallel ranks
+    micro_batch_size: int = 1  # samples per micro-batch (fixed mode); must stay 1 with max_tokens_per_batch
+    grad_accum: int = 1  # micro-batches per rank per optimizer step
+    seed: int = 0  # shuffle seed; each epoch shuffles with (seed, epoch)
+    tail: str = "error"  # what to do with samples that do not fill a whole global step: error|pad|drop
+    max_tokens_per_batch: int | None = None  # token budget per micro-batch (padded size); None = fixed size
+    max_samples_per_batch: int | None = None  # optional cap on samples per micro-batch in token mode
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("world_size", "micro_batch_size", "grad_accum"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tail not in TAILS:
+            problems.append(f"tail must be one of {'|'.join(TAILS)}, got {self.tail!r}")
+        if self.max_tokens_per_batch is not None:
+            if self.max_tokens_per_batch < 1:
+                problems.append(f"max_tokens_per_batch must be >= 1, got {self.max_tokens_per_batch}")
+            if self.micro_batch_size != 1:
+                problems.append(
+                    f"micro_batch_size={self.micro_batch_size} and max_tokens_per_batch={self.max_tokens_per_batch} "
+                    "are exclusive: with a token budget micro-batches hold a variable number of samples "
+                    "(cap it with max_samples_per_batch)"
+                )
+        if self.max_samples_per_batch is not None:
+            if self.max_tokens_per_batch is None:
+                problems.append("max_samples_per_batch only applies with max_tokens_per_batch")
+            elif self.max_samples_per_batch < 1:
+                problems.append(f"max_samples_per_batch must be >= 1, got {self.max_samples_per_batch}")
+        if problems:
+            raise PlanError("invalid plan config: " + "; ".join(problems))
+
+    @property
+    def token_mode(self) -> bool:
+        return self.max_tokens_per_batch is not None
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Micro-batches in one global (optimizer) step, over all ranks."""
+        return self.world_size * self.grad_accum
+
+    @property
+    def samples_per_step(self) -> int:
+        """Samples in one global step in fixed mode: the effective batch size."""
+        return self.micro_batch_size * self.world_size * self.grad_accum
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """The samples one rank feeds through one forward/backward."""
+
+    sample_ids: list[str]
+    repeat: list[bool]  # repeat[i]: sample_ids[i] is a pad repeat (trained again to fill the tail)
+
+    def to_json(self) -> dict:
+        return {"sample_ids": list(self.sample_ids), "repeat": list(self.repeat)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "MicroBatch":
+        return cls(sample_ids=list(data["sample_ids"]), repeat=[bool(r) for r in data["repeat"]])
+
+
+@dataclasses.dataclass
+class EpochPlan:
+    """One epoch of the run, identical on every rank."""
+
+    epoch: int
+    steps: list[list[list[MicroBatch]]]  # [step][rank][accum]
+    dropped: list[str]  # sample ids left out by tail=drop
+    repeated: list[str]  # sample ids trained a second time by tail=pad (one entry per repeat)
+    config: PlanConfig | None = None
+    num_samples: int = 0  # samples in the manifest
+    first_global_step: int = 0  # global (run-wide) index of steps[0]
+    unreached: list[str] = dataclasses.field(default_factory=list)  # planned, but after --max-steps ends the run
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps)
+
+    def for_rank(self, rank: int) -> list[list[MicroBatch]]:
+        """[step][accum] micro-batches of one rank, in training order."""
+        return [step[rank] for step in self.steps]
+
+    def sample_ids(self, *, repeats: bool = False) -> list[str]:
+        """Every sample id the plan trains, in plan order (pad repeats only when asked)."""
+        return [
+            sid
+            for step in self.steps
+            for rank in step
+            for mb in rank
+            for sid, rep in zip(mb.sample_ids, mb.repeat)
+            if repeats or not rep
+        ]
+
+    def to_json(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "first_global_step": self.first_global_step,
+            "num_samples": self.num_samples,
+            "config": dataclasses.asdict(self.config) if self.config else None,
+            "steps": [[[mb.to_json() for mb in rank] for rank in step] for step in self.steps],
+            "dropped": list(self.dropped),
+            "repeated": list(self.repeated),
+            "unreached": list(self.unreached),
+        }
+
+    def describe(self) -> str:
+        """The human summary rank 0 prints before loading the model."""
+        cfg = self.config
+        trained = len(self.sample_ids())
+        lines = [f"epoch {self.epoch}: {self.num_samples} samples -> {self.num_steps} steps "
+                 f"(global steps {self.first_global_step}..{self.first_global_step + self.num_steps - 1})"]
+        if cfg is not None:
+            if cfg.token_mode:
+                cap = f", at most {cfg.max_samples_per_batch} samples" if cfg.max_samples_per_batch else ""
+                sizes = [len(mb.sample_ids) for step in self.steps for rank in step for mb in rank]
+                lines.append(
+                    f"  micro-batches by token budget: padded size <= {cfg.max_tokens_per_batch} tokens{cap} "
+                    f"({min(sizes, default=0)}..{max(sizes, default=0)} samples each); per global step "
+                    f"{cfg.world_size} ranks x {cfg.grad_accum} accum = {cfg.micro_batches_per_step} micro-batches"
+                )
+            else:
+                lines.append(
+                    f"  effective batch = {cfg.micro_batch_size} micro x {cfg.world_size} ranks x "
+                    f"{cfg.grad_accum} accum = {cfg.samples_per_step} samples per step"
+                )
+            lines.append(f"  tail: {cfg.tail}")
+        lines.append(f"  trained: {trained} samples once, {len(self.repeated)} pad repeats, {len(self.dropped)} dropped")
+        if self.repeated:
+            lines.append(f"  repeated (tail=pad): {', '.join(self.repeated)}")
+        if self.dropped:
+            lines.append(f"  dropped (tail=drop): {', '.join(self.dropped)}")
+        if self.unreached:
+            lines.append(f"  not reached before --max-steps: {len(self.unreached)} samples")
+        return "\n".join(lines)
+
+
+def _shuffled(records: Sequence[SampleRecord], cfg: PlanConfig, epoch: int) -> tuple[list[SampleRecord], random.Random]:
+    """Records sorted by id (manifest row order must not matter), then shuffled with (seed, epoch)."""
+    if not records:
+        raise PlanError("the manifest holds no samples: nothing to train")
+    ordered = sorted(records, key=lambda r: r.sample_id)
+    dupes = [sid for sid, n in Counter(r.sample_id for r in ordered).items() if n > 1]
+    if dupes:
+        raise PlanError(f"duplicate sample ids in the manifest: {', '.join(dupes[:10])}")
+    # A string seed hashes with sha512, the same in every process (unlike hash()).
+    rng = random.Random(f"video-ora-plan:{cfg.seed}:{epoch}")
+    rng.shuffle(ordered)
+    return ordered, rng
+
+
+def _options(cfg: PlanConfig) -> str:
+    unit = "micro-batches" if cfg.token_mode else "samples"
+    return (
+        f"options: --tail pad (repeat {unit} to fill the last step, marked as repeats), "
+        f"--tail drop (leave the tail out, ids listed), a smaller --micro-batch-size / --grad-accum, or fewer ranks"
+    )
+
+
+def _numbers(cfg: PlanConfig, n_samples: int) -> str:
+    if cfg.token_mode:
+        return (
+            f"world size {cfg.world_size}, grad accum {cfg.grad_accum}, token budget {cfg.max_tokens_per_batch} "
+            f"-> {cfg.micro_batches_per_step} micro-batches per global step; {n_samples} samples"
+        )
+    return (
+        f"{n_samples} samples, world size {cfg.world_size}, micro batch {cfg.micro_batch_size}, grad accum "
+        f"{cfg.grad_accum} -> {cfg.samples_per_step} samples per global step"
+    )
+
+
+def _group_by_tokens(records: list[SampleRecord], cfg: PlanConfig, rng: random.Random) -> list[list[SampleRecord]]:
+    """Length grouping: sort within shuffled buckets, pack greedily under the padded-size budget, shuffle batches."""
+    budget = cfg.max_tokens_per_batch
+    assert budget is not None
+    over = [r for r in records if r.input_tokens > budget]
+    if over:
+        worst = sorted(over, key=lambda r: r.sample_id)
+        names = ", ".join(f"{r.sample_id} ({r.input_tokens} tokens)" for r in worst[:10])
+        raise PlanError(
+            f"{len(over)} sample(s) exceed --max-tokens-per-batch {budget} on their own: {names}; "
+            f"raise the budget to at least {max(r.input_tokens for r in over)} or rebuild with a smaller video budget"
+        )
+    cap = cfg.max_samples_per_batch or len(records)
+    bucket = BUCKET_SAMPLES_PER_SLOT * cfg.micro_batches_per_step
+    batches: list[list[SampleRecord]] = []
+    for start in range(0, len(records), bucket):
+        chunk = sorted(records[start:start + bucket], key=lambda r: (-r.input_tokens, r.sample_id))
+        current: list[SampleRecord] = []
+        for r in chunk:
+            # Sorted longest first, so the first sample of a batch sets its padded length.
+            longest = current[0].input_tokens if current else r.input_tokens
+            if current and (longest * (len(current) + 1) > budget or len(current) >= cap):
+                batches.append(current)
+                current = []
+            current.append(r)
+        if current:
+            batches.append(current)
+    rng.shuffle(batches)
+    return batches
+
+
+def _apply_tail(units: list[list[str]], per_step: int, cfg: PlanConfig, n_samples: int, min_real: int) -> tuple[
+    list[list[str]], list[bool], list[str]
+]:
+    """Tail rule on `units` (a unit is one sample id in fixed mode, one micro-batch in token mode).
+
+    Returns (units, is_repeat per unit, dropped ids). `min_real` is how many real units the ranks need so
+    that none of them ends up with nothing (or only repeats).
+    """
+    unit = "micro-batches" if cfg.token_mode else "samples"
+    n = len(units)
+    if n < min_real:
+        raise PlanError(
+            f"{_numbers(cfg, n_samples)}: only {n} {unit} for {cfg.world_size} ranks, so rank {n} would get no "
+            f"batch at all; --tail pad/drop cannot fix this. Use fewer ranks (at most {n}) or more samples."
+        )
+    rest = n % per_step
+    if rest == 0:
+        return units, [False] * n, []
+    if cfg.tail == "error":
+        raise PlanError(
+            f"{_numbers(cfg, n_samples)}: {n} {unit} do not fill whole global steps of {per_step} "
+            f"({n // per_step} full steps, {rest} left over). {_options(cfg)}."
+        )
+    if cfg.tail == "drop":
+        if n // per_step == 0:
+            raise PlanError(
+                f"{_numbers(cfg, n_samples)}: --tail drop would drop all {n} {unit} (fewer than the {per_step} "
+                f"of one global step), so no rank would get a batch. Use --tail pad, a smaller "
+                f"--micro-batch-size / --grad-accum, or fewer ranks."
+            )
+        dropped = [sid for u in units[n - rest:] for sid in u]
+        return units[: n - rest], [False] * (n - rest), dropped
+    # pad: repeat units from the start of the shuffled order (deterministic, spread over the epoch).
+    need = per_step - rest
+    extra = [units[i % n] for i in range(need)]
+    return units + extra, [False] * n + [True] * need, []
+
+
+def plan_epoch(records: Sequence[SampleRecord], cfg: PlanConfig, epoch: int) -> EpochPlan:
+    """The plan of one epoch; raises PlanError (before anything loads) when it cannot be laid out."""
+    ordered, rng = _shuffled(records, cfg, epoch)
+    W, A = cfg.world_size, cfg.grad_accum
+    steps: list[list[list[MicroBatch]]] = []
+    if cfg.token_mode:
+        groups = [[r.sample_id for r in b] for b in _group_by_tokens(ordered, cfg, rng)]
+        units, rep, dropped = _apply_tail(groups, W * A, cfg, len(ordered), min_real=W)
+        for s in range(len(units) // (W * A)):
+            # micro-batch index within the step = a * W + rank
+            steps.append([
+                [MicroBatch(sample_ids=list(units[s * W * A + a * W + r]), repeat=[rep[s * W * A + a * W + r]]
+                            * len(units[s * W * A + a * W + r])) for a in range(A)]
+                for r in range(W)
+            ])
+        repeated = [sid for u, is_rep in zip(units, rep) if is_rep for sid in u]
+    else:
+        B = cfg.micro_batch_size
+        G = cfg.samples_per_step
+        ids = [[r.sample_id] for r in ordered]
+        units, rep, dropped = _apply_tail(ids, G, cfg, len(ordered), min_real=W)
+        flat = [u[0] for u in units]
+        for s in range(len(flat) // G):
+            base = s * G
+            step = []
+            for r in range(W):
+                # sample index within the step = (a * B + j) * W + rank: dealt round-robin over ranks
+                idx = [[base + (a * B + j) * W + r for j in range(B)] for a in range(A)]
+                step.append([MicroBatch(sample_ids=[flat[i] for i in mb], repeat=[rep[i] for i in mb]) for mb in idx])
+            steps.append(step)
+        repeated = [sid for sid, is_rep in zip(flat, rep) if is_rep]
+    plan = EpochPlan(epoch=epoch, steps=steps, dropped=dropped, repeated=repeated, config=cfg, num_samples=len(ordered))
+    for r in range(W):
+        if not any(not rep for accum in plan.for_rank(r) for mb in accum for rep in mb.repeat):
+            raise PlanError(f"{_numbers(cfg, len(ordered))}: rank {r} would train only pad repeats. Use fewer ranks.")
+    return plan
+
+
+def plan_run(
+    records: Sequence[SampleRecord], cfg: PlanConfig, epochs: int | None = None, max_steps: int | None = None
+) -> list[EpochPlan]:
+    """Every epoch of the run, numbered by global step. --max-steps cuts the last epoch short (its samples
+    past the cut land in `unreached`); with neither epochs nor max_steps the run is one epoch."""
+    if epochs is not None and epochs < 1:
+        raise PlanError(f"--epochs must be >= 1, got {epochs}")
+    if max_steps is not None and max_steps < 1:
+        raise PlanError(f"--max-steps must be >= 1, got {max_steps}")
+    if epochs is None and max_steps is None:
+        epochs = 1
+    plans: list[EpochPlan] = []
+    total = 0
+    epoch = 0
+    while (epochs is None or epoch < epochs) and (max_steps is None or total < max_steps):
+        plan = plan_epoch(records, cfg, epoch)
+        plan.first_global_step = total
+        if max_steps is not None and total + plan.num_steps > max_steps:
+            keep = max_steps - total
+            cut = plan.steps[keep:]
+            plan.steps = plan.steps[:keep]
+            plan.unreached = [sid for step in cut for rank in step for mb in rank
+                              for sid, rep in zip(mb.sample_ids, mb.repeat) if not rep]
+            plan.repeated = [sid for step in plan.steps for rank in step for mb in rank
+                             for sid, rep in zip(mb.sample_ids, mb.repeat) if rep]
+        plans.append(plan)
+        total += plan.num_steps
+        epoch += 1
+    return plans
+
+
+def total_steps(plans: Sequence[EpochPlan]) -> int:
+    return sum(p.num_steps for p in plans)
+
+
+def locate(plans: Sequence[EpochPlan], global_step: int) -> tuple[int, int]:
+    """(epoch, step within that epoch) of a 0-based global step; resume starts from here."""
+    for p in plans:
+        if p.first_global_step <= global_step < p.first_global_step + p.num_steps:
+            return p.epoch, global_step - p.first_global_step
+    raise PlanError(f"global step {global_step} is outside the plan ({total_steps(plans)} steps)")
+
+
+def global_steps(plans: Sequence[EpochPlan], rank: int, start: int = 0) -> Iterable[tuple[int, int, int, list[MicroBatch]]]:
+    """(global_step, epoch, step, [accum] micro-batches of `rank`) from global step `start` to the end."""
+    for p in plans:
+        for i, step in enumerate(p.steps):
+            g = p.first_global_step + i
+            if g >= start:
+                yield g, p.epoch, i, step[rank]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Coverage ledger
+
+
+def ledger_path(run_dir: str | Path, rank: int) -> Path:
+    return Path(run_dir) / "ledger" / f"rank{rank}.jsonl"
+
+
+def append_ledger(run_dir: str | Path, step: int, rank: int, micro_batches: Sequence[MicroBatch]) -> None:
+    """Append what `rank` trained at global `step` to RUN/ledger/rank{rank}.jsonl (one line, one write)."""
+    path = ledger_path(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps({"step": step, "rank": rank, "micro_batches": [mb.to_json() for mb in micro_batches]})
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+        f.flush()
+
+
+def truncate_ledger(run_dir: str | Path, rank: int, from_step: int) -> int:
+    """On resume: forget entries at or after `from_step` (trained after the checkpoint, about to be trained
+    again). Returns how many lines were removed."""
+    path = ledger_path(run_dir, rank)
+    if not path.exists():
+        return 0
+    lines = path.read_text(encoding="utf-8").splitlines()
+    keep = [ln for ln in lines if ln.strip() and json.loads(ln)["step"] < from_step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
+    tmp.replace(path)
+    return len(lines) - len(keep)
+
+
+@dataclasses.dataclass
+class EpochCoverage:
+    epoch: int
+    planned: int  # distinct samples the plan trains this epoch
+    consumed: int  # of those, consumed exactly once
+    repeats_planned: int
+    repeats_consumed: int
+    dropped: list[str]
+    unreached: list[str]
+    missing: list[str]  # planned, never consumed
+    duplicated: list[str]  # consumed more than once (not as a planned repeat)
+    unexpected: list[str]  # consumed, not planned this epoch
+    problems: list[str]  # step-level problems: missing/duplicate ledger lines, order mismatches
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing or self.duplicated or self.unexpected or self.problems) and (
+            self.repeats_planned == self.repeats_consumed
+        )
+
+
+@dataclasses.dataclass
+class LedgerReport:
+    epochs: list[EpochCoverage]
+
+    @property
+    def ok(self) -> bool:
+        return all(e.ok for e in self.epochs)
+
+    def message(self) -> str:
+        lines = []
+        for e in self.epochs:
+            tail = f"{e.repeats_consumed} pad repeats, {len(e.dropped)} dropped"
+            if e.unreached:
+                tail += f", {len(e.unreached)} not reached before --max-steps"
+            if e.ok:
+                lines.append(f"epoch {e.epoch}: {e.consumed}/{e.planned} planned samples consumed exactly once ({tail})")
+                continue
+            lines.append(f"epoch {e.epoch}: coverage FAILED: {e.consumed}/{e.planned} consumed exactly once ({tail})")
+            for name, ids in (("missing", e.missing), ("duplicated", e.duplicated), ("unexpected", e.unexpected)):
+                if ids:
+                    lines.append(f"  {name}: {', '.join(ids[:20])}{' ...' if len(ids) > 20 else ''}")
+            if e.repeats_planned != e.repeats_consumed:
+                lines.append(f"  pad repeats: planned {e.repeats_planned}, consumed {e.repeats_consumed}")
+            lines.extend(f"  {p}" for p in e.problems[:20])
+        return "\n".join(lines)
+
+    def raise_if_failed(self) -> None:
+        if not self.ok:
+            raise PlanError(self.message())
+
+
+def read_ledger(run_dir: str | Path) -> list[dict]:
+    """Every ledger line of every rank."""
+    entries = []
+    for path in sorted((Path(run_dir) / "ledger").glob("rank*.jsonl")):
+        for n, ln in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if ln.strip():
+                try:
+                    entries.append(json.loads(ln))
+                except json.JSONDecodeError as e:
+                    raise PlanError(f"{path}:{n}: not a JSON line ({e}); the ledger is damaged") from e
+    return entries
+
+
+def check_ledger(run_dir: str | Path, plans: Sequence[EpochPlan]) -> LedgerReport:
+    """Prove every planned sample of each epoch in `plans` was consumed exactly once, repeats accounted.
+
+    Ledger lines whose global step lies outside `plans` are ignored, so rank 0 can check each epoch as it
+    ends by passing only that epoch's plan.
+    """
+    by_step: dict[tuple[int, int], list[dict]] = {}
+    for e in read_ledger(run_dir):
+        by_step.setdefault((e["step"], e["rank"]), []).append(e)
+    report = []
+    for plan in plans:
+        world = plan.config.world_size if plan.config else (len(plan.steps[0]) if plan.steps else 0)
+        problems: list[str] = []
+        consumed: Counter[str] = Counter()
+        repeats = 0
+        for i, step in enumerate(plan.steps):
+            g = plan.first_global_step + i
+            for r in range(world):
+                lines = by_step.get((g, r), [])
+                if not lines:
+                    problems.append(f"step {g} rank {r}: no ledger line (planned {_ids(step[r])})")
+                    continue
+                if len(lines) > 1:
+                    problems.append(f"step {g} rank {r}: {len(lines)} ledger lines (trained more than once)")
+                for line in lines:
+                    got = [MicroBatch.from_json(m) for m in line["micro_batches"]]
+                    if got != step[r]:
+                        problems.append(f"step {g} rank {r}: trained {_ids(got)}, planned {_ids(step[r])}")
+                    for mb in got:
+                        for sid, rep in zip(mb.sample_ids, mb.repeat):
+                            if rep:
+                                repeats += 1
+                            else:
+                                consumed[sid] += 1
+        planned = Counter(plan.sample_ids())
+        report.append(EpochCoverage(
+            epoch=plan.epoch,
+            planned=len(planned),
+            consumed=sum(1 for sid in planned if consumed[sid] == 1),
+            repeats_planned=len(plan.repeated),
+            repeats_consumed=repeats,
+            dropped=list(plan.dropped),
+            unreached=list(plan.unreached),
+            missing=sorted(sid for sid in planned if consumed[sid] == 0),
+            duplicated=sorted(sid for sid, n in consumed.items() if n > 1),
+            unexpected=sorted(sid for sid in consumed if sid not in planned),
+            problems=problems,
+        ))
+    return LedgerReport(epochs=report)
+
+
+def _ids(mbs: Sequence[MicroBatch]) -> str:
+    return "[" + "; ".join(",".join(s + ("*" if rep else "") for s, rep in zip(mb.sample_ids, mb.repeat)) for mb in mbs) + "]"
