@@ -1,0 +1,436 @@
+"""From a planned micro-batch to model inputs: read the sample from its tar, decode, patchify, collate.
+
+Each rank reads only its own samples: a shard's tar is indexed once by member offset (`tarfile` header
+scan, no data read), then a sample is a handful of seek+read calls. The pixel values are computed exactly
+like transformers' `Qwen3VLVideoProcessor` with `do_resize=False, do_sample_frames=False` (frames are
+already at the budget size in the shard): rescale 1/255, normalize with mean/std, then the processor's
+10-dim view + permute into rows of `3 * temporal_patch * patch * patch`. Tests compare with the processor.
+
+Pre-flight checks name the sample: supervised tokens, an untruncated answer, the video pad count against
+the grid, pixel rows against the grid, frames against the record.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import tarfile
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+from schemas.manifest import SampleRecord, read_records
+from schemas.shard import JSON_EXT, ShardSample, frame_ext
+from train.plan import MicroBatch
+
+IGNORE_INDEX = -100  # label of positions without a loss (prompt and padding)
+VIDEO_TOKEN_TYPE = 2  # mm_token_type_ids value on <|video_pad|> (0 = text, 1 = image)
+MANIFEST = "manifest.parquet"
+
+
+class SampleError(RuntimeError):
+    """A sample could not be read from its shard; the message names the sample, shard and member."""
+
+
+class PreflightError(ValueError):
+    """A sample would train wrong (no supervision, truncated answer, tokens or pixels not matching its grid)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class LoadedSample:
+    """One sample as read from its shard, before patchify."""
+
+    record: SampleRecord
+    input_ids: list[int]  # prompt (video blocks expanded) + answer + <|im_end|>
+    prompt_tokens: int  # leading positions without a label
+    frames: np.ndarray  # uint8 (T, H, W, 3), RGB, at (record.height, record.width)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reading
+
+
+class SampleStore:
+    """Random access to samples of a build: manifest.parquet for the records, tar member offsets for bytes.
+
+    Picklable (no open files are kept), so DataLoader workers get their own copy; call `index_for(ids)` in
+    the parent first so the workers inherit the offsets instead of rescanning the tars.
+    """
+
+    def __init__(self, shards_dir: str | Path, records: Sequence[SampleRecord] | None = None):
+        self.root = Path(shards_dir)
+        if records is None:
+            manifest = self.root / MANIFEST
+            if not manifest.exists():
+                raise FileNotFoundError(f"{manifest} not found: --shards must be the output of `python -m prep build`")
+            records = read_records(manifest, SampleRecord)
+        self.records: dict[str, SampleRecord] = {r.sample_id: r for r in records}
+        self._index: dict[str, dict[str, tuple[int, int]]] = {}  # shard -> member name -> (offset_data, size)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def record(self, sample_id: str) -> SampleRecord:
+        try:
+            return self.records[sample_id]
+        except KeyError:
+            raise SampleError(f"sample {sample_id!r} is not in {self.root / MANIFEST}") from None
+
+    def _members(self, shard: str) -> dict[str, tuple[int, int]]:
+        if shard not in self._index:
+            path = self.root / shard
+            if not path.exists():
+                raise SampleError(f"shard {path} named by the manifest does not exist")
+            members = {}
+            # "r:" refuses compressed tars: offsets are only meaningful in a plain tar.
+            with tarfile.open(path, "r:") as tar:
+                for info in tar:
+                    if info.isfile():
+                        members[info.name] = (info.offset_data, info.size)
+            self._index[shard] = members
+        return self._index[shard]
+
+    def index_for(self, sample_ids: Sequence[str]) -> None:
+        """Index the shards holding these samples (and only those)."""
+        for shard in sorted({self.record(sid).shard for sid in sample_ids}):
+            self._members(shard)
+
+    def _read(self, f, record: SampleRecord, name: str) -> bytes:
+        members = self._members(record.shard)
+        if name not in members:
+            raise SampleError(f"sample {record.sample_id}: member {name} missing from shard {record.shard}")
+        offset, size = members[name]
+        f.seek(offset)
+        data = f.read(size)
+        if len(data) != size:
+            raise SampleError(f"sample {record.sample_id}: shard {record.shard} is truncated at member {name}")
+        return data
+
+    def get(self, sample_id: str) -> LoadedSample:
+        record = self.record(sample_id)
+        with open(self.root / record.shard, "rb") as f:
+            meta = ShardSample.from_json(json.loads(self._read(f, record, f"{record.key}.{JSON_EXT}")))
+            if meta.record != record:
+                diff = [k for k, v in dataclasses.asdict(meta.record).items() if dataclasses.asdict(record)[k] != v]
+                raise SampleError(
+                    f"sample {sample_id}: {record.shard}:{record.key}.json disagrees with the manifest on {diff}; "
+                    "the manifest and the shards come from different builds"
+                )
+            frames = [
+                _decode_jpeg(self._read(f, record, f"{record.key}.{frame_ext(i)}"), sample_id, i)
+                for i in range(record.num_frames)
+            ]
+        return LoadedSample(record=record, input_ids=meta.input_ids, prompt_tokens=meta.prompt_tokens,
+                            frames=np.stack(frames))
+
+
+def _decode_jpeg(data: bytes, sample_id: str, i: int) -> np.ndarray:
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            return np.asarray(im.convert("RGB"))
+    except OSError as e:
+        raise SampleError(f"sample {sample_id}: frame {i} is not a readable JPEG ({e})") from e
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pixels
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VisionSpec:
+    """The vision tower's input geometry and normalization (Qwen3-VL and Qwen3.5 share these defaults)."""
+
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    merge_size: int = 2  # spatial merge: merge_size x merge_size patches become one LLM token
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    rescale_factor: float = 1 / 255
+
+    @classmethod
+    def from_model_config(cls, config: Any) -> "VisionSpec":
+        """Patch geometry from a transformers config (its vision_config), normalization at the defaults."""
+        vision = getattr(config, "vision_config", config)
+        get = (lambda k: vision[k]) if isinstance(vision, dict) else (lambda k: getattr(vision, k))
+        return cls(patch_size=_int(get("patch_size")), temporal_patch_size=_int(get("temporal_patch_size")),
+                   merge_size=_int(get("spatial_merge_size")))
+
+    @property
+    def patch_dim(self) -> int:
+        return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
+
+    def tokens(self, grid: Sequence[int]) -> int:
+        """LLM tokens (video pads) of a grid."""
+        t, h, w = grid
+        return t * h * w // (self.merge_size * self.merge_size)
+
+
+def _int(v: Any) -> int:
+    # configs allow patch sizes as [h, w]; the Qwen models use square patches
+    if isinstance(v, (list, tuple)):
+        if len(set(v)) != 1:
+            raise ValueError(f"non-square patch size {v} is not supported")
+        v = v[0]
+    return int(v)
+
+
+def patchify(frames: np.ndarray, spec: VisionSpec) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """uint8 (T, H, W, 3) -> (float32 (T/tp * H/p * W/p, 3*tp*p*p), (grid_t, grid_h, grid_w)), bit for bit the
+    Qwen3VLVideoProcessor output for frames already at a valid size."""
+    if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
+        raise ValueError(f"frames must be uint8 (T, H, W, 3), got {frames.dtype} {frames.shape}")
+    T, H, W, C = frames.shape
+    tp, p, m = spec.temporal_patch_size, spec.patch_size, spec.merge_size
+    if T % tp or H % (p * m) or W % (p * m):
+        raise ValueError(
+            f"frames {T}x{H}x{W}: need frames divisible by {tp} and sides divisible by {p * m} (the budget guarantees both)"
+        )
+    video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).to(torch.float32)  # (T, C, H, W)
+    # The processor's fused rescale+normalize: mean and std scaled by 1/rescale_factor, then (x - mean) / std.
+    mean = (torch.tensor(spec.image_mean) * (1.0 / spec.rescale_factor)).view(-1, 1, 1)
+    std = (torch.tensor(spec.image_std) * (1.0 / spec.rescale_factor)).view(-1, 1, 1)
+    video = video.sub_(mean).div_(std)
+    gt, gh, gw = T // tp, H // p, W // p
+    patches = video.view(gt, tp, C, gh // m, m, p, gw // m, m, p)
+    patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # the processor's permute without its batch dim
+    return patches.reshape(gt * gh * gw, C * tp * p * p), (gt, gh, gw)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Batches
+
+
+@dataclasses.dataclass(kw_only=True)
+class BatchMeta:
+    """What the step log and an OOM report need about a micro-batch; no tensors."""
+
+    sample_ids: list[str]
+    repeat: list[bool]  # pad repeats (tail=pad) in this micro-batch
+    input_tokens: list[int]  # per sample, before padding
+    visual_tokens: list[int]
+    supervised_tokens: list[int]
+    grid_thw: list[tuple[int, int, int]]
+    padded_tokens: int  # batch x longest sequence
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def collate(
+    samples: Sequence[LoadedSample],
+    spec: VisionSpec,
+    *,
+    video_token_id: int,
+    pad_token_id: int,
+    repeat: Sequence[bool] | None = None,
+    pixels: Sequence[torch.Tensor] | None = None,
+) -> tuple[dict[str, torch.Tensor], BatchMeta]:
+    """Right-padded model inputs of a micro-batch, and its metadata. `pixels` (already patchified, one per
+    sample) skips patchify."""
+    if not samples:
+        raise ValueError("collate needs at least one sample")
+    if pixels is None:
+        pixels = [patchify(s.frames, spec)[0] for s in samples]
+    longest = max(len(s.input_ids) for s in samples)
+    n = len(samples)
+    input_ids = torch.full((n, longest), pad_token_id, dtype=torch.long)
+    labels = torch.full((n, longest), IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros((n, longest), dtype=torch.long)
+    for i, s in enumerate(samples):
+        ids = torch.tensor(s.input_ids, dtype=torch.long)
+        input_ids[i, : len(ids)] = ids
+        labels[i, s.prompt_tokens: len(ids)] = ids[s.prompt_tokens:]
+        attention_mask[i, : len(ids)] = 1
+    mm_token_type_ids = torch.where(
+        (input_ids == video_token_id) & attention_mask.bool(), VIDEO_TOKEN_TYPE, 0
+    ).to(torch.long)
+    grids = [(s.record.grid_t, s.record.grid_h, s.record.grid_w) for s in samples]
+    tensors = {
+        "input_ids": input_ids,
+        "labels": labels,
+        "attention_mask": attention_mask,
+        "mm_token_type_ids": mm_token_type_ids,
+        "pixel_values_videos": torch.cat(list(pixels), dim=0),
+        "video_grid_thw": torch.tensor(grids, dtype=torch.long),
+    }
+    meta = BatchMeta(
+        sample_ids=[s.record.sample_id for s in samples],
+        repeat=list(repeat) if repeat is not None else [False] * n,
+        input_tokens=[len(s.input_ids) for s in samples],
+        visual_tokens=[s.record.visual_tokens for s in samples],
+        supervised_tokens=[len(s.input_ids) - s.prompt_tokens for s in samples],
+        grid_thw=grids,
+        padded_tokens=n * longest,
+    )
+    return tensors, meta
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pre-flight
+
+
+def preflight(
+    sample: LoadedSample,
+    *,
+    tokenizer=None,
+    spec: VisionSpec | None = None,
+    video_token_id: int | None = None,
+    pixels: torch.Tensor | None = None,
+) -> None:
+    """Every check one loaded sample allows; all problems in one PreflightError naming the sample.
+
+    tokenizer: checks that the labeled span is exactly tokenizer(answer + '<|im_end|>') (the answer is not
+    truncated). video_token_id: counts video pads against the grid (looked up in the tokenizer when omitted).
+    pixels: the patchified rows, checked against the grid (otherwise derived from the frame shape).
+    """
+    spec = spec or VisionSpec()
+    r = sample.record
+    ids = sample.input_ids
+    problems: list[str] = []
+    supervised = len(ids) - sample.prompt_tokens
+    if supervised <= 0:
+        problems.append(f"no supervised tokens (prompt_tokens {sample.prompt_tokens} >= {len(ids)} input ids)")
+    elif supervised != r.supervised_tokens:
+        problems.append(f"{supervised} supervised tokens, the manifest says {r.supervised_tokens}")
+    if len(ids) != r.input_tokens:
+        problems.append(f"{len(ids)} input ids, the manifest says input_tokens={r.input_tokens}")
+    if tokenizer is not None:
+        expected = tokenizer(r.answer + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        span = ids[sample.prompt_tokens:]
+        if span != expected:
+            if ids[-len(expected):] == expected:
+                problems.append(f"labeled span has {len(span)} tokens but answer + <|im_end|> is {len(expected)}: "
+                                "prompt_tokens does not mark where the answer starts")
+            else:
+                got = tokenizer.decode(span)
+                problems.append(f"answer is truncated or altered: labeled span decodes to {got!r}, "
+                                f"expected {r.answer + '<|im_end|>'!r}")
+        if video_token_id is None:
+            video_token_id = tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    grid = (r.grid_t, r.grid_h, r.grid_w)
+    want_pads = spec.tokens(grid)
+    if video_token_id is not None:
+        pads = ids.count(video_token_id)
+        if pads != want_pads:
+            problems.append(f"{pads} video pad tokens in input_ids, grid {list(grid)} needs "
+                            f"{r.grid_t}*{r.grid_h}*{r.grid_w}/{spec.merge_size ** 2} = {want_pads}")
+    if r.visual_tokens != want_pads:
+        problems.append(f"manifest visual_tokens {r.visual_tokens} != {want_pads} from grid {list(grid)}")
+    f = sample.frames
+    if f.shape[0] != r.num_frames:
+        problems.append(f"{f.shape[0]} frames in the shard, the record says num_frames={r.num_frames}")
+    if tuple(f.shape[1:3]) != (r.height, r.width):
+        problems.append(f"frames are {f.shape[1]}x{f.shape[2]}, the record says {r.height}x{r.width}")
+    rows_needed = r.grid_t * r.grid_h * r.grid_w
+    if pixels is not None:
+        rows = pixels.shape[0]
+        if pixels.shape[1] != spec.patch_dim:
+            problems.append(f"pixel rows have {pixels.shape[1]} values, the vision tower takes {spec.patch_dim}")
+    else:
+        rows = (f.shape[0] // spec.temporal_patch_size) * (f.shape[1] // spec.patch_size) * (f.shape[2] // spec.patch_size)
+    if rows != rows_needed:
+        problems.append(f"{rows} pixel rows, grid {list(grid)} needs {r.grid_t}*{r.grid_h}*{r.grid_w} = {rows_needed}")
+    if problems:
+        raise PreflightError(f"sample {r.sample_id}: " + "; ".join(problems))
+
+
+def preflight_records(
+    records: Sequence[SampleRecord], max_input_tokens: int | None = None, spec: VisionSpec | None = None
+) -> None:
+    """Manifest-only checks for every planned sample, before anything loads; every bad sample named."""
+    spec = spec or VisionSpec()
+    bad: list[str] = []
+    for r in records:
+        problems = []
+        if r.supervised_tokens <= 0:
+            problems.append("no supervised tokens")
+        if r.num_frames != r.grid_t * spec.temporal_patch_size or len(r.frame_indices) != r.num_frames:
+            problems.append(f"num_frames {r.num_frames}, {len(r.frame_indices)} frame indices, grid_t {r.grid_t}")
+        if (r.height, r.width) != (r.grid_h * spec.patch_size, r.grid_w * spec.patch_size):
+            problems.append(f"size {r.height}x{r.width} does not match grid {r.grid_h}x{r.grid_w} of patch {spec.patch_size}")
+        if r.grid_h % spec.merge_size or r.grid_w % spec.merge_size:
+            problems.append(f"grid {r.grid_h}x{r.grid_w} is not divisible by merge size {spec.merge_size}")
+        want = spec.tokens((r.grid_t, r.grid_h, r.grid_w))
+        if r.visual_tokens != want:
+            problems.append(f"visual_tokens {r.visual_tokens}, grid needs {want}")
+        if r.input_tokens != r.visual_tokens + r.text_tokens:
+            problems.append(f"input_tokens {r.input_tokens} != visual {r.visual_tokens} + text {r.text_tokens}")
+        if r.supervised_tokens >= r.text_tokens:
+            problems.append(f"supervised_tokens {r.supervised_tokens} leaves no prompt text ({r.text_tokens} text tokens)")
+        if max_input_tokens is not None and r.input_tokens > max_input_tokens:
+            problems.append(f"{r.input_tokens} input tokens > limit {max_input_tokens}")
+        if problems:
+            bad.append(f"{r.sample_id}: {'; '.join(problems)}")
+    if bad:
+        shown = "\n  ".join(bad[:20])
+        more = f"\n  ... and {len(bad) - 20} more" if len(bad) > 20 else ""
+        raise PreflightError(f"{len(bad)} of {len(records)} planned samples fail pre-flight:\n  {shown}{more}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loader
+
+
+class MicroBatchDataset(torch.utils.data.Dataset):
+    """Item i = the collated micro-batch i of one rank's plan. Map-style with a sequential sampler, so the
+    DataLoader returns items in plan order whatever the number of workers."""
+
+    def __init__(self, store: SampleStore, micro_batches: Sequence[MicroBatch], spec: VisionSpec, *,
+                 video_token_id: int, pad_token_id: int, tokenizer=None, pixel_dtype: torch.dtype = torch.float32):
+        self.store = store
+        self.micro_batches = list(micro_batches)
+        self.spec = spec
+        self.video_token_id = video_token_id
+        self.pad_token_id = pad_token_id
+        self.tokenizer = tokenizer
+        self.pixel_dtype = pixel_dtype
+
+    def __len__(self) -> int:
+        return len(self.micro_batches)
+
+    def __getitem__(self, i: int) -> tuple[dict[str, torch.Tensor], BatchMeta]:
+        mb = self.micro_batches[i]
+        samples = [self.store.get(sid) for sid in mb.sample_ids]
+        pixels = []
+        for s in samples:
+            px, _ = patchify(s.frames, self.spec)
+            # Every sample is checked as it loads, so a bad one fails with its id, not as a shape error.
+            preflight(s, tokenizer=self.tokenizer, spec=self.spec, video_token_id=self.video_token_id, pixels=px)
+            pixels.append(px.to(self.pixel_dtype))
+        return collate(samples, self.spec, video_token_id=self.video_token_id, pad_token_id=self.pad_token_id,
+                       repeat=mb.repeat, pixels=pixels)
+
+
+def rank_loader(
+    store: SampleStore,
+    micro_batches: Sequence[MicroBatch],
+    spec: VisionSpec,
+    *,
+    video_token_id: int,
+    pad_token_id: int,
+    tokenizer=None,
+    num_workers: int = 2,
+    prefetch_factor: int = 4,
+    pin_memory: bool | None = None,
+    pixel_dtype: torch.dtype = torch.float32,
+) -> torch.utils.data.DataLoader:
+    """DataLoader yielding (tensors, BatchMeta) for one rank's micro-batches, exactly in the given order,
+    prepared ahead by `num_workers` worker processes. With `tokenizer`, each sample's answer span is checked."""
+    store.index_for([sid for mb in micro_batches for sid in mb.sample_ids])
+    dataset = MicroBatchDataset(store, micro_batches, spec, video_token_id=video_token_id, pad_token_id=pad_token_id,
+                                tokenizer=tokenizer, pixel_dtype=pixel_dtype)
+    if pin_memory is None:
+        pin_memory = torch.cuda.is_available()
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=None,  # items are already micro-batches
+        shuffle=False,
+        num_workers=num_workers,
+        prefetch_factor=prefetch_factor if num_workers > 0 else None,
+        pin_memory=pin_memory,
+        persistent_workers=False,
+        in_order=True,
+    )
