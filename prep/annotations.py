@@ -1,0 +1,201 @@
+"""Stage 1: read annotations, match them to video files, check segments against the probed duration.
+
+Input formats (one row per annotated video):
+- default: `video` (path relative to --videos), `segments` [[start_s, end_s], ...] in source seconds,
+  optional `id` (defaults to the path without extension) and `query`.
+- qvhighlights: `vid`, `relevant_windows`, `query`, optional `qid` (the id; else `vid`) and `duration`;
+  the file is `<videos>/<vid>.<any supported extension>`.
+Either layout can come as jsonl, parquet (`*.parquet`) or a directory saved by `datasets.save_to_disk`.
+
+Every problem becomes a RejectRecord (stage "annotations") with a reason a script can count and a detail a
+person can act on; nothing is dropped silently.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+from schemas.manifest import RejectRecord, Segment
+
+VIDEO_EXTS = (".mp4", ".mkv", ".webm", ".mov", ".avi", ".mpg", ".mpeg")
+FORMATS = ("default", "qvhighlights")
+DURATION_TOLERANCE_S = 0.5  # segments ending at most this far past the probed duration are clipped to it
+STAGE = "annotations"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Annotation:
+    """One annotated video, as read; segments are in source seconds, sorted and merged."""
+
+    video_id: str  # unique id of the annotation (becomes SampleRecord.video_id)
+    source_path: str  # video path relative to --videos (posix)
+    segments: tuple[Segment, ...]  # gold spans in source seconds
+    query: str | None  # the annotation's own query, None to use --query
+    row: int  # 1-based row in the annotation file, for messages
+
+
+def reject(video_id: str, source_path: str, reason: str, detail: str, stage: str = STAGE) -> RejectRecord:
+    return RejectRecord(video_id=video_id, source_path=source_path, stage=stage, reason=reason, detail=detail)
+
+
+def find_videos(videos_dir: str | Path) -> list[str]:
+    """Video files under videos_dir (recursive, by extension), as sorted posix paths relative to it."""
+    root = Path(videos_dir)
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.suffix.lower() in VIDEO_EXTS)
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """Rows of a jsonl file, a parquet file or a saved HF dataset directory.
+
+    A jsonl line that is not a JSON object comes back as {"__error__": message} so it becomes a reject.
+    """
+    path = Path(path)
+    if path.is_dir():
+        import datasets
+
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            if len(ds) != 1 and "train" not in ds:
+                raise ValueError(f"{path}: a DatasetDict with splits {sorted(ds)}; save one split or a 'train' split")
+            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+        return list(ds)
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                row = {"__error__": f"line {n} is not JSON: {e}"}
+            if not isinstance(row, dict):
+                row = {"__error__": f"line {n} is a JSON {type(row).__name__}, not an object"}
+            rows.append(row)
+    return rows
+
+
+def _segments(raw) -> list[tuple[float, float]]:
+    """[[s, e], ...] as float pairs; ValueError with the offending item otherwise."""
+    if raw is None:
+        return []
+    out = []
+    for item in raw:
+        if isinstance(item, dict):
+            item = (item.get("start_s", item.get("start")), item.get("end_s", item.get("end")))
+        if len(item) != 2:
+            raise ValueError(f"segment {item!r} is not a [start, end] pair")
+        s, e = float(item[0]), float(item[1])
+        if not (math.isfinite(s) and math.isfinite(e)):
+            raise ValueError(f"segment {item!r} is not finite")
+        out.append((s, e))
+    return out
+
+
+def parse_row(row: dict, n: int, fmt: str, videos_dir: Path, video_files: dict[str, str]) -> Annotation | RejectRecord:
+    """One row -> Annotation, or a reject with the row number. video_files maps stem -> relative path
+    (used by qvhighlights, whose rows name the video without extension)."""
+    if "__error__" in row:
+        return reject("", "", "bad_annotation", f"row {n}: {row['__error__']}")
+    if fmt == "qvhighlights":
+        vid = row.get("vid")
+        if not vid:
+            return reject("", "", "bad_annotation", f"row {n}: no 'vid' field (keys: {sorted(row)})")
+        video_id = str(row["qid"]) if row.get("qid") is not None else str(vid)
+        source_path = video_files.get(str(vid), f"{vid}.mp4")
+        raw_segments = row.get("relevant_windows")
+    else:
+        if not row.get("video"):
+            return reject(str(row.get("id") or ""), "", "bad_annotation", f"row {n}: no 'video' field (keys: {sorted(row)})")
+        source_path = Path(str(row["video"])).as_posix()
+        video_id = str(row["id"]) if row.get("id") not in (None, "") else str(Path(source_path).with_suffix("").as_posix())
+        raw_segments = row.get("segments")
+    try:
+        pairs = _segments(raw_segments)
+    except (TypeError, ValueError) as e:
+        return reject(video_id, source_path, "bad_annotation", f"row {n}: segments unreadable: {e}")
+    query = row.get("query")
+    return Annotation(
+        video_id=video_id,
+        source_path=source_path,
+        segments=tuple(Segment(start_s=s, end_s=e) for s, e in pairs),
+        query=str(query) if query not in (None, "") else None,
+        row=n,
+    )
+
+
+def load_annotations(
+    path: str | Path, videos_dir: str | Path, fmt: str = "default"
+) -> tuple[list[Annotation], list[RejectRecord]]:
+    """Read the annotations and match them to the files under videos_dir.
+
+    Rejects: unreadable rows (bad_annotation), a later row reusing an id (duplicate_id; the first one
+    wins), an annotation whose file does not exist (missing_video), a video file that no annotation names
+    (video_without_annotation). Segments are checked later, against the probe (check_segments).
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown annotation format {fmt!r}; known: {FORMATS}")
+    videos_dir = Path(videos_dir)
+    files = find_videos(videos_dir)
+    by_stem = {}
+    for rel in files:
+        by_stem.setdefault(Path(rel).with_suffix("").as_posix(), rel)
+    kept: list[Annotation] = []
+    rejects: list[RejectRecord] = []
+    first_row: dict[str, Annotation] = {}
+    for n, row in enumerate(read_rows(path), 1):
+        ann = parse_row(row, n, fmt, videos_dir, by_stem)
+        if isinstance(ann, RejectRecord):
+            rejects.append(ann)
+            continue
+        if ann.video_id in first_row:
+            first = first_row[ann.video_id]
+            rejects.append(reject(ann.video_id, ann.source_path, "duplicate_id",
+                                  f"row {n}: id {ann.video_id!r} already used by row {first.row} "
+                                  f"({first.source_path}); the first row is kept"))
+            continue
+        first_row[ann.video_id] = ann
+        if not (videos_dir / ann.source_path).is_file():
+            rejects.append(reject(ann.video_id, ann.source_path, "missing_video",
+                                  f"row {n}: {videos_dir / ann.source_path} does not exist"))
+            continue
+        kept.append(ann)
+    named = {Path(a.source_path).as_posix() for a in first_row.values()}
+    for rel in files:
+        if rel not in named:
+            rejects.append(reject(Path(rel).with_suffix("").as_posix(), rel, "video_without_annotation",
+                                  f"{rel} is under --videos but no annotation row names it"))
+    return kept, rejects
+
+
+def check_segments(ann: Annotation, duration_s: float, tolerance_s: float = DURATION_TOLERANCE_S) -> Annotation | RejectRecord:
+    """Validate gold segments against the probed duration; return them sorted and merged where they overlap.
+
+    end <= start, a negative start, or an end more than tolerance_s past the duration rejects the whole
+    video (its labels cannot be trusted); an end within tolerance_s past the duration is clipped.
+    """
+    for seg in ann.segments:
+        where = f"row {ann.row}: segment [{seg.start_s:g}, {seg.end_s:g}]"
+        if seg.end_s <= seg.start_s:
+            return reject(ann.video_id, ann.source_path, "segment_end_before_start", f"{where} has end <= start")
+        if seg.start_s < 0:
+            return reject(ann.video_id, ann.source_path, "segment_negative", f"{where} starts before 0 s")
+        if seg.end_s > duration_s + tolerance_s:
+            return reject(ann.video_id, ann.source_path, "segment_past_duration",
+                          f"{where} ends {seg.end_s - duration_s:.2f} s past the video's probed duration "
+                          f"{duration_s:.2f} s (tolerance {tolerance_s:g} s)")
+    spans = sorted((s.start_s, min(s.end_s, duration_s)) for s in ann.segments)
+    merged: list[list[float]] = []
+    for s, e in spans:
+        if s >= e:  # started inside the tolerance band past the end: nothing left after clipping
+            continue
+        if merged and s < merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return dataclasses.replace(ann, segments=tuple(Segment(start_s=s, end_s=e) for s, e in merged))

@@ -1,0 +1,656 @@
+"""`python -m prep build`: videos + annotations -> token-budgeted WebDataset shards + manifest.
+
+The stages, each a small function (the worker below composes them per video):
+    annotations.load_annotations -> probe.probe_video -> annotations.check_segments
+    -> windows.make_windows -> answers.rebase_segments/format_answer        (parent: cheap, decides shards)
+    -> plan_window (budget.plan_frames + tokens.tokenize_sample, frames lowered for --max-input-tokens)
+    -> decode.decode_windows + decode.encode_frame -> shards.ShardWriter   (workers: one shard per task)
+Every bad input becomes a RejectRecord with its stage, a machine reason and a human detail; code errors
+crash. Resume: a rerun skips shards whose stats.json exists; --overwrite rebuilds from scratch.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import multiprocessing
+import os
+import re
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+from prep import answers as answers_mod
+from prep.annotations import FORMATS, Annotation, check_segments, load_annotations, reject
+from prep.budget import PATCH_SIZE, FramePlan, VideoBudget, group_times, plan_frames
+from prep.decode import DecodeError, decode_windows, encode_frame
+from prep.probe import ProbeFailure, ProbeResult, probe_video
+from prep.shards import INPUT_REJECTS, ShardPaths, ShardWriter, assemble, group_videos, read_stats, shard_name, write_stats
+from prep.tokens import DEFAULT_QUERY, BUNDLED_TOKENIZER, TokenizedSample, load_tokenizer, special_id, tokenize_sample
+from prep.windows import LAST_WINDOW, MIN_LAST_S, Window, make_windows
+from schemas.manifest import SCHEMA_VERSION, RejectRecord, SampleRecord, Segment, write_records
+from schemas.shard import ShardSample
+
+QVH_QUERY_TEMPLATE = (
+    'Find every moment in the video that matches "{query}". Answer as JSON [[start, end], ...] '
+    "in seconds from the start of the clip, or [] if there is none."
+)
+PLAN_FILE = "build.plan.json"
+SPECIAL_TOKENS = ("<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_start|>", "<|im_end|>")
+
+
+class BuildError(RuntimeError):
+    """A problem with the build as a whole (bad config, an out dir holding another build): exit 2."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class BuildConfig:
+    """Every knob of a build; validated up front, written to build.json verbatim."""
+
+    videos: Path
+    out: Path
+    annotations: Path | None = None  # default: videos/annotations.jsonl
+    format: str = "default"
+    window_seconds: float = 16.0
+    stride_seconds: float | None = None  # default: window_seconds
+    last_window: str = "keep"
+    min_window_seconds: float = MIN_LAST_S
+    min_segment_seconds: float = answers_mod.MIN_SEGMENT_S
+    negatives: str = "keep"
+    fps: float = 2.0
+    model_family: str = "qwen3_vl"
+    video_min_tokens: int | None = None  # None: VIDEO_MIN_TOKEN_NUM or the default
+    video_max_tokens: int | None = None  # None: VIDEO_MAX_TOKEN_NUM or the default
+    max_input_tokens: int | None = None
+    tokenizer: Path | None = None  # None: the bundled tokenizer
+    query: str = DEFAULT_QUERY
+    query_template: str | None = None  # None: "{query}" (qvhighlights: QVH_QUERY_TEMPLATE)
+    jpeg_quality: int = 95
+    samples_per_shard: int = 256
+    shard_size_mb: float | None = 1024.0
+    workers: int | None = None  # None: all cores available to this process
+    overwrite: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        self.videos, self.out = Path(self.videos), Path(self.out)
+        self.annotations = Path(self.annotations) if self.annotations else self.videos / "annotations.jsonl"
+        self.tokenizer = Path(self.tokenizer) if self.tokenizer else None
+        if self.stride_seconds is None:
+            self.stride_seconds = self.window_seconds
+        if self.query_template is None:
+            self.query_template = QVH_QUERY_TEMPLATE if self.format == "qvhighlights" else "{query}"
+        if self.workers is None:
+            self.workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+    def problems(self) -> list[str]:
+        """Everything wrong with this config at once (empty when valid)."""
+        p = []
+        if not self.videos.is_dir():
+            p.append(f"--videos {self.videos} is not a directory")
+        if not self.annotations.exists():
+            p.append(f"--annotations {self.annotations} does not exist")
+        if self.format not in FORMATS:
+            p.append(f"--format must be one of {FORMATS}, got {self.format!r}")
+        if self.window_seconds <= 0 or self.stride_seconds <= 0:
+            p.append("--window-seconds and --stride-seconds must be > 0")
+        if self.last_window not in LAST_WINDOW:
+            p.append(f"--last-window must be one of {LAST_WINDOW}")
+        if self.min_segment_seconds < 0:
+            p.append("--min-segment-seconds must be >= 0")
+        if self.negatives not in ("keep", "drop"):
+            p.append("--negatives must be keep or drop")
+        if self.fps <= 0:
+            p.append("--fps must be > 0")
+        if self.model_family not in PATCH_SIZE:
+            p.append(f"--model-family must be one of {sorted(PATCH_SIZE)}")
+        if self.max_input_tokens is not None and self.max_input_tokens <= 0:
+            p.append("--max-input-tokens must be > 0")
+        if not 1 <= self.jpeg_quality <= 100:
+            p.append("--jpeg-quality must be in 1..100")
+        if self.samples_per_shard < 1:
+            p.append("--samples-per-shard must be >= 1")
+        if self.workers < 1:
+            p.append("--workers must be >= 1")
+        if "{query}" not in self.query_template:
+            p.append("--query-template must contain {query}")
+        if self.tokenizer is not None and not (self.tokenizer / "tokenizer.json").is_file():
+            p.append(f"--tokenizer {self.tokenizer} has no tokenizer.json")
+        try:
+            self.budget()
+        except ValueError as e:
+            p.append(str(e))
+        return p
+
+    def budget(self) -> VideoBudget:
+        return VideoBudget.from_env(
+            model_family=self.model_family,
+            video_min_tokens=self.video_min_tokens,
+            video_max_tokens=self.video_max_tokens,
+            fps=self.fps,
+        )
+
+    def to_json(self) -> dict:
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self).items()}
+
+    def fingerprint(self) -> str:
+        """What decides the content of the shards (not workers, progress, overwrite)."""
+        keep = {k: v for k, v in self.to_json().items() if k not in ("workers", "overwrite", "progress")}
+        keep["budget"] = dataclasses.asdict(self.budget())
+        return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WindowJob:
+    window: Window
+    segments: list[Segment]  # window-local, as rendered in answer
+    answer: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VideoJob:
+    """One annotated, probed video with its windows decided: what a worker needs, picklable."""
+
+    video_id: str
+    source_path: str
+    query: str
+    probe: ProbeResult
+    windows: list[WindowJob]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkerSettings:
+    budget: VideoBudget
+    tokenizer: str | None
+    max_input_tokens: int | None
+    jpeg_quality: int
+    decode_threads: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardTask:
+    index: int
+    out: Path
+    videos: list[VideoJob]
+    settings: WorkerSettings
+
+    @property
+    def paths(self) -> ShardPaths:
+        return ShardPaths(self.out, shard_name(self.index))
+
+
+# ----------------------------------------------------------------------------------------------- stages
+
+
+def plan_video(ann: Annotation, probe: ProbeResult, config: BuildConfig) -> VideoJob | RejectRecord:
+    """Segments checked against the probe, windows cut, answers rendered; a reject when nothing remains."""
+    checked = check_segments(ann, probe.duration_s)
+    if isinstance(checked, RejectRecord):
+        return checked
+    windows = make_windows(probe.duration_s, config.window_seconds, config.stride_seconds, config.last_window,
+                           config.min_window_seconds)
+    if not windows:
+        return reject(ann.video_id, ann.source_path, "no_windows",
+                      f"{probe.duration_s:.2f} s video gives no window with --window-seconds {config.window_seconds:g} "
+                      f"--last-window {config.last_window} (a partial window needs >= {config.min_window_seconds:g} s)",
+                      stage="windows")
+    jobs = []
+    for w in windows:
+        segs = answers_mod.rebase_segments(checked.segments, w.start_s, w.end_s, config.min_segment_seconds)
+        if not segs and config.negatives == "drop":
+            continue
+        jobs.append(WindowJob(window=w, segments=segs, answer=answers_mod.format_answer(segs)))
+    if not jobs:
+        return reject(ann.video_id, ann.source_path, "no_positive_windows",
+                      f"all {len(windows)} windows are negatives and --negatives drop", stage="answers")
+    query = config.query_template.format(query=ann.query) if ann.query else config.query
+    return VideoJob(video_id=ann.video_id, source_path=ann.source_path, query=query, probe=probe, windows=jobs)
+
+
+class WindowRejected(Exception):
+    def __init__(self, stage: str, reason: str, detail: str):
+        super().__init__(detail)
+        self.stage, self.reason, self.detail = stage, reason, detail
+
+
+def plan_window(budget: VideoBudget, probe: ProbeResult, job: WindowJob, tokenizer, query: str,
+                max_input_tokens: int | None) -> tuple[FramePlan, list[float], TokenizedSample]:
+    """Frames, prompt times and tokens of one window; the frame count is lowered (largest even count
+    that fits, found by bisection) when the sample exceeds max_input_tokens. The answer is never cut."""
+    w = job.window
+
+    def attempt(max_frames: int | None):
+        try:
+            plan = plan_frames(budget, height=probe.height, width=probe.width, fps=probe.fps,
+                               total_frames=probe.frames, start_s=w.start_s, end_s=w.end_s, max_frames=max_frames)
+        except ValueError as e:
+            raise WindowRejected("budget", "window_frames", f"window {w.index} ({w.start_s:.2f}-{w.end_s:.2f} s): {e}") from e
+        times = group_times([i / probe.fps for i in plan.frame_indices], w.start_s)
+        tok = tokenize_sample(tokenizer, query=query, answer=job.answer, group_times_s=times,
+                              tokens_per_group=plan.tokens_per_group)
+        return plan, times, tok
+
+    full = attempt(None)
+    if max_input_tokens is None or len(full[2].input_ids) <= max_input_tokens:
+        return full
+    lo, hi, best = 1, full[0].grid_t - 1, None  # counted in temporal groups (2 frames each)
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        got = attempt(2 * mid)
+        if len(got[2].input_ids) <= max_input_tokens:
+            best, lo = got, mid + 1
+        else:
+            hi = mid - 1
+    if best is None:
+        two = attempt(2)
+        raise WindowRejected("budget", "over_token_budget",
+                             f"window {w.index} ({w.start_s:.2f}-{w.end_s:.2f} s): even 2 frames need "
+                             f"{len(two[2].input_ids)} tokens ({two[2].visual_tokens} visual) > --max-input-tokens "
+                             f"{max_input_tokens}; {len(full[2].input_ids)} at the full {len(full[0].frame_indices)} frames")
+    return best
+
+
+def sample_key(video_id: str, window_index: int) -> str:
+    """WebDataset key: no dots or slashes (webdataset splits on them)."""
+    return re.sub(r"[^A-Za-z0-9_-]+", "_", video_id)[:120] + f"_w{window_index:04d}"
+
+
+# ----------------------------------------------------------------------------------------------- worker
+
+_progress = None  # set per process: called with (videos, windows, source seconds) after each video
+
+
+def _init_worker(queue) -> None:
+    global _progress
+    _progress = queue.put
+
+
+def process_shard(task: ShardTask) -> dict:
+    """Build one shard from scratch: plan, tokenize, decode once per video, write; stats.json last."""
+    paths = task.paths
+    paths.clear()
+    s = task.settings
+    tokenizer = load_tokenizer(s.tokenizer)
+    writer = ShardWriter(paths)
+    records: list[SampleRecord] = []
+    rejects: list[RejectRecord] = []
+    keys: set[str] = set()
+    t = Counter()
+    try:
+        for video in task.videos:
+            t0 = time.perf_counter()
+            planned = []
+            for job in video.windows:
+                try:
+                    planned.append((job, *plan_window(s.budget, video.probe, job, tokenizer, video.query, s.max_input_tokens)))
+                except WindowRejected as r:
+                    rejects.append(reject(video.video_id, video.source_path, r.reason, r.detail, stage=r.stage))
+            t["plan_s"] += time.perf_counter() - t0
+            done = 0
+            if planned:
+                t0 = time.perf_counter()
+                try:
+                    frames_iter = decode_windows(video.probe.path, [p[1].frame_indices for p in planned],
+                                                 width=video.probe.width, height=video.probe.height,
+                                                 num_threads=s.decode_threads)
+                    for pos, frames in frames_iter:
+                        t1 = time.perf_counter()
+                        t["decode_s"] += t1 - t0
+                        job, plan, times, tok = planned[pos]
+                        jpegs = [encode_frame(f, plan.height, plan.width, s.jpeg_quality) for f in frames]
+                        key = sample_key(video.video_id, job.window.index)
+                        if key in keys:
+                            key += "_" + hashlib.sha1(video.video_id.encode()).hexdigest()[:8]
+                        keys.add(key)
+                        record = _record(video, job, plan, times, tok, paths.tar.name, key)
+                        writer.add(ShardSample(record=record, input_ids=tok.input_ids, prompt_tokens=tok.prompt_tokens), jpegs)
+                        records.append(record)
+                        done += 1
+                        t0 = time.perf_counter()
+                        t["encode_s"] += t0 - t1
+                        t["frames"] += len(jpegs)
+                except DecodeError as e:
+                    for job, *_ in planned[done:]:
+                        rejects.append(reject(video.video_id, video.source_path, "decode_error",
+                                              f"window {job.window.index} ({job.window.start_s:.2f}-{job.window.end_s:.2f} s) "
+                                              f"not written: {e}", stage="decode"))
+            t["videos"] += 1
+            t["windows"] += done
+            t["source_s"] += video.probe.duration_s
+            if _progress is not None:
+                _progress((1, done, video.probe.duration_s))
+        sha, size = writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+    write_records(paths.samples, records, SampleRecord)
+    write_records(paths.rejects, rejects, RejectRecord)
+    stats = {"shard": paths.tar.name, "sha256": sha, "bytes": size, "samples": len(records), "rejects": len(rejects),
+             "videos": len(task.videos), "video_ids": [v.video_id for v in task.videos],
+             **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in t.items()}}
+    write_stats(paths, stats)
+    return stats
+
+
+def _record(video: VideoJob, job: WindowJob, plan: FramePlan, times: list[float], tok: TokenizedSample,
+            shard: str, key: str) -> SampleRecord:
+    return SampleRecord(
+        sample_id=f"{video.video_id}/w{job.window.index:04d}",
+        video_id=video.video_id,
+        source_path=video.source_path,
+        window_index=job.window.index,
+        window_start_s=job.window.start_s,
+        window_end_s=job.window.end_s,
+        num_frames=len(plan.frame_indices),
+        frame_indices=list(plan.frame_indices),
+        frame_times_s=[i / video.probe.fps for i in plan.frame_indices],
+        group_times_s=times,
+        height=plan.height,
+        width=plan.width,
+        grid_t=plan.grid_t,
+        grid_h=plan.grid_h,
+        grid_w=plan.grid_w,
+        visual_tokens=tok.visual_tokens,
+        text_tokens=tok.text_tokens,
+        supervised_tokens=tok.supervised_tokens,
+        input_tokens=len(tok.input_ids),
+        query=video.query,
+        answer=job.answer,
+        segments=list(job.segments),
+        shard=shard,
+        key=key,
+    )
+
+
+# ----------------------------------------------------------------------------------------------- driver
+
+
+def _our_files(out: Path) -> list[Path]:
+    names = {"manifest.parquet", "rejects.parquet", "build.json", PLAN_FILE, INPUT_REJECTS}
+    return [p for p in out.iterdir() if p.is_file() and (p.name.startswith("shard-") or p.name.split(".tmp")[0] in names)]
+
+
+def _estimate_bytes(job: VideoJob, budget: VideoBudget) -> int:
+    """Rough tar bytes of a video (JPEG ~ 1/10 of raw RGB), for --shard-size-mb; a plan without tokens."""
+    w, p = job.windows[0].window, job.probe
+    plan = plan_frames(budget, height=p.height, width=p.width, fps=p.fps, total_frames=p.frames, start_s=w.start_s, end_s=w.end_s)
+    return len(job.windows) * len(plan.frame_indices) * plan.height * plan.width * 3 // 10
+
+
+def _tokenizer_info(path: Path | None) -> dict:
+    root = Path(path or BUNDLED_TOKENIZER)
+    tok = load_tokenizer(str(path) if path else None)
+    return {
+        "path": str(root),
+        "bundled": path is None,
+        "tokenizer_json_sha256": hashlib.sha256((root / "tokenizer.json").read_bytes()).hexdigest(),
+        "special_token_ids": {t: special_id(tok, t) for t in SPECIAL_TOKENS},
+    }
+
+
+def _versions() -> dict:
+    from importlib import metadata
+
+    out = {"python": sys.version.split()[0]}
+    for pkg in ("video-ora", "decord", "av", "pillow", "numpy", "pyarrow", "torch", "transformers", "tokenizers"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def _map(pool, fn, items: list) -> list:
+    return [fn(x) for x in items] if pool is None else pool.map(fn, items, chunksize=1)
+
+
+def build(config: BuildConfig) -> dict:
+    """Run a whole build; returns the summary that also goes into build.json."""
+    problems = config.problems()
+    if problems:
+        raise BuildError("invalid build config:\n  " + "\n  ".join(problems))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    t_start = time.perf_counter()
+    out = config.out
+    out.mkdir(parents=True, exist_ok=True)
+    if config.overwrite:
+        for p in _our_files(out):
+            p.unlink()
+    budget = config.budget()
+    tok_info = _tokenizer_info(config.tokenizer)  # fails fast on a tokenizer without the Qwen-VL tokens
+
+    anns, input_rejects = load_annotations(config.annotations, config.videos, config.format)
+    # fork before any decoder runs in this process; probes and shards share the pool
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.SimpleQueue() if config.workers > 1 else None
+    pool = ctx.Pool(config.workers, initializer=_init_worker, initargs=(queue,)) if config.workers > 1 else None
+    try:
+        t0 = time.perf_counter()
+        paths = sorted({a.source_path for a in anns})
+        probes = dict(zip(paths, _map(pool, probe_video, [str(config.videos / p) for p in paths])))
+        probe_s = time.perf_counter() - t0
+
+        jobs: list[VideoJob] = []
+        for ann in anns:
+            probe = probes[ann.source_path]
+            if isinstance(probe, ProbeFailure):
+                input_rejects.append(reject(ann.video_id, ann.source_path, probe.reason, probe.detail, stage=probe.stage))
+                continue
+            job = plan_video(ann, probe, config)
+            (input_rejects if isinstance(job, RejectRecord) else jobs).append(job)
+        jobs.sort(key=lambda j: j.video_id)
+        by_id = {j.video_id: j for j in jobs}
+        shard_bytes = int(config.shard_size_mb * 2**20) if config.shard_size_mb else None
+        groups = group_videos([(j.video_id, len(j.windows), _estimate_bytes(j, budget)) for j in jobs],
+                              config.samples_per_shard, shard_bytes)
+        _check_plan(out, config, groups)
+        write_records(out / INPUT_REJECTS, input_rejects, RejectRecord)
+
+        settings = WorkerSettings(budget=budget, tokenizer=str(config.tokenizer) if config.tokenizer else None,
+                                  max_input_tokens=config.max_input_tokens, jpeg_quality=config.jpeg_quality,
+                                  decode_threads=max(1, (os.cpu_count() or 1) // config.workers))
+        tasks = [ShardTask(index=i, out=out, videos=[by_id[v] for v in g], settings=settings) for i, g in enumerate(groups)]
+        pending = [t for t in tasks if not t.paths.is_complete()]
+        t0 = time.perf_counter()
+        _run_shards(pool, queue, pending, config.progress)
+        shards_s = time.perf_counter() - t0
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+
+    t0 = time.perf_counter()
+    names = [t.paths.name for t in tasks]
+    samples, rejects = assemble(out, names)
+    stats = [read_stats(t.paths) for t in tasks]
+    assemble_s = time.perf_counter() - t0
+    total_s = time.perf_counter() - t_start
+    pending_names = {t.paths.name for t in pending}
+    done_stats = [s for t, s in zip(tasks, stats) if t.paths.name in pending_names]
+    source_s = sum(s["source_s"] for s in done_stats)
+    summary = {
+        "schema_version": SCHEMA_VERSION,
+        "samples": samples.num_rows,
+        "videos": len(set(samples.column("video_id").to_pylist())),
+        "annotations": len(anns) + sum(1 for r in input_rejects if r.stage == "annotations"),
+        "shards": len(tasks),
+        "shards_built": len(pending),
+        "shards_skipped": len(tasks) - len(pending),
+        "frames": sum(samples.column("num_frames").to_pylist()),
+        "visual_tokens": sum(samples.column("visual_tokens").to_pylist()),
+        "input_tokens": sum(samples.column("input_tokens").to_pylist()),
+        "rejects": rejects.num_rows,
+        "rejects_by_reason": dict(sorted(Counter(rejects.column("reason").to_pylist()).items())),
+        "timings_s": {"probe": round(probe_s, 3), "shards": round(shards_s, 3), "assemble": round(assemble_s, 3),
+                      "total": round(total_s, 3)},
+        "throughput": {"videos_per_s": _rate(sum(s["videos"] for s in done_stats), shards_s),
+                       "windows_per_s": _rate(sum(s["samples"] for s in done_stats), shards_s),
+                       "realtime_factor": _rate(source_s, shards_s)},
+    }
+    build_json = {
+        **summary,
+        "config": config.to_json(),
+        "budget": dataclasses.asdict(budget),
+        "tokenizer": tok_info,
+        "decode": {"backend": "decord", "resize": "PIL BICUBIC to the planned size (qwen-vl-utils: torchvision "
+                   "bicubic, antialias=True; same sizes, pixels differ slightly)", "jpeg_quality": config.jpeg_quality},
+        "answer_format": "JSON list of [start, end] window-local seconds with one decimal, e.g. [[1.0, 12.5]]; [] = negative",
+        "versions": _versions(),
+        "shard_files": [{"name": s["shard"], "sha256": s["sha256"], "bytes": s["bytes"], "samples": s["samples"]} for s in stats],
+    }
+    tmp = out / "build.json.tmp"
+    tmp.write_text(json.dumps(build_json, indent=1))
+    tmp.replace(out / "build.json")
+    return summary
+
+
+def _rate(x: float, seconds: float) -> float | None:
+    return round(x / seconds, 3) if seconds > 0 else None
+
+
+def _check_plan(out: Path, config: BuildConfig, groups: list[list[str]]) -> None:
+    """A resumed build must be the same build: same content-deciding config, same video -> shard plan."""
+    plan = {"config_fingerprint": config.fingerprint(), "shards": {shard_name(i): g for i, g in enumerate(groups)}}
+    path = out / PLAN_FILE
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if old != plan:
+            what = "config" if old.get("config_fingerprint") != plan["config_fingerprint"] else "inputs (videos/annotations)"
+            raise BuildError(f"{out} holds a build with different {what}; rerun with --overwrite to rebuild it, "
+                             f"or choose another --out")
+        return
+    leftovers = [p.name for p in _our_files(out) if p.name.startswith("shard-")]
+    if leftovers:
+        raise BuildError(f"{out} holds shard files but no {PLAN_FILE} ({leftovers[0]}, ...); use --overwrite")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(plan, indent=1))
+    tmp.replace(path)
+
+
+def _run_shards(pool, queue, tasks: list[ShardTask], show: bool) -> None:
+    """Process shards (in the pool, or inline with one worker) with a progress bar fed per video."""
+    from tqdm import tqdm
+
+    total_videos = sum(len(t.videos) for t in tasks)
+    bar = tqdm(total=total_videos, unit="video", disable=(not show) or None, desc="prep build", dynamic_ncols=True)
+    start = time.perf_counter()
+    acc = Counter()
+
+    def update(item) -> None:
+        videos, windows, source_s = item
+        acc["windows"] += windows
+        acc["source_s"] += source_s
+        dt = max(time.perf_counter() - start, 1e-9)
+        bar.set_postfix_str(f"{acc['windows'] / dt:.1f} windows/s, {acc['source_s'] / dt:.1f}x realtime", refresh=False)
+        bar.update(videos)
+
+    global _progress
+    try:
+        if pool is None:
+            _progress = update
+            for task in tasks:
+                process_shard(task)
+            return
+        drain = threading.Thread(target=lambda: [update(x) for x in iter(queue.get, None)], daemon=True)
+        drain.start()
+        try:
+            for _ in pool.imap_unordered(process_shard, tasks):
+                pass
+        finally:
+            queue.put(None)
+            drain.join()
+    finally:
+        _progress = None
+        bar.close()
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m prep build",
+        description="Decode videos once into token-budgeted WebDataset shards + manifest.parquet, rejects.parquet "
+                    "and build.json. Bad inputs become rows in rejects.parquet; a rerun resumes.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    a = ap.add_argument
+    a("--videos", required=True, type=Path, help="directory searched recursively for mp4/mkv/webm/mov/avi/mpg files")
+    a("--out", required=True, type=Path, help="output directory for shards, manifest.parquet, rejects.parquet, build.json")
+    a("--annotations", type=Path, default=None,
+      help="annotations: jsonl, .parquet, or a datasets.save_to_disk directory (default: VIDEOS/annotations.jsonl)")
+    a("--format", choices=FORMATS, default="default",
+      help="annotation fields: default = video, segments [[s, e], ...], id, query; "
+           "qvhighlights = vid, relevant_windows, query, qid (video file VIDEOS/<vid>.<ext>)")
+    a("--window-seconds", type=float, default=16.0, help="window length in source seconds")
+    a("--stride-seconds", type=float, default=None, help="distance between window starts (default: window length)")
+    a("--last-window", choices=LAST_WINDOW, default="keep",
+      help="last partial window: keep it if >= --min-window-seconds, drop it, or extend it back to full length")
+    a("--min-window-seconds", type=float, default=MIN_LAST_S, help="shortest partial window kept by --last-window keep")
+    a("--min-segment-seconds", type=float, default=answers_mod.MIN_SEGMENT_S,
+      help="drop answer pieces shorter than this after clipping to the window")
+    a("--negatives", choices=("keep", "drop"), default="keep", help="windows without any segment: keep them with answer [] or drop them")
+    a("--fps", type=float, default=2.0, help="frames sampled per source second inside a window (qwen-vl-utils smart_nframes rules)")
+    a("--model-family", choices=sorted(PATCH_SIZE), default="qwen3_vl", help="patch geometry: qwen3_vl/qwen3_5 patch 16, qwen2_5_vl patch 14")
+    a("--video-min-tokens", type=int, default=None, help="per-frame minimum tokens (default: $VIDEO_MIN_TOKEN_NUM or 128)")
+    a("--video-max-tokens", type=int, default=None, help="per-frame maximum tokens (default: $VIDEO_MAX_TOKEN_NUM or 768)")
+    a("--max-input-tokens", type=int, default=None,
+      help="cap on a whole sample's tokens (text included): lowers the frame count; a window that does not fit "
+           "with 2 frames is rejected (over_token_budget). The answer is never cut")
+    a("--tokenizer", type=Path, default=None, help="tokenizer or model directory (default: the small tokenizer shipped with the package)")
+    a("--query", default=DEFAULT_QUERY, help="instruction for annotations without their own query")
+    a("--query-template", default=None,
+      help="how an annotation's own query becomes the instruction, with {query} (default: '{query}'; "
+           "qvhighlights: a moment-retrieval instruction)")
+    a("--jpeg-quality", type=int, default=95, help="JPEG quality of the stored frames")
+    a("--samples-per-shard", type=int, default=256, help="target samples per shard (whole videos; a shard may hold fewer)")
+    a("--shard-size-mb", type=float, default=1024.0, help="soft cap on estimated shard size in MiB (0: none)")
+    a("--workers", type=int, default=None, help="processes for probing and shards (default: all cores)")
+    a("--overwrite", action="store_true", help="delete this build's files in --out and rebuild (default: resume)")
+    a("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    return ap
+
+
+def config_from_args(args: argparse.Namespace) -> BuildConfig:
+    values = vars(args).copy()
+    if values.get("shard_size_mb") == 0:
+        values["shard_size_mb"] = None
+    return BuildConfig(**values)
+
+
+def summary_lines(summary: dict, out: Path) -> list[str]:
+    th = summary["throughput"]
+    lines = [
+        f"prep build: {summary['samples']} samples from {summary['videos']} videos in {summary['shards']} shards "
+        f"({summary['shards_built']} built, {summary['shards_skipped']} already complete) in {summary['timings_s']['total']:.1f} s",
+        f"  {summary['frames']} frames, {summary['input_tokens']} input tokens ({summary['visual_tokens']} visual); "
+        f"{th['videos_per_s']} videos/s, {th['windows_per_s']} windows/s, {th['realtime_factor']}x realtime",
+        f"  rejects: {summary['rejects']}" + ("" if not summary["rejects"] else
+                                            " (" + ", ".join(f"{k} {v}" for k, v in summary["rejects_by_reason"].items()) + ")"),
+        f"  wrote {out / 'manifest.parquet'}, {out / 'rejects.parquet'}, {out / 'build.json'}",
+    ]
+    return lines
+
+
+def cli(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    config = config_from_args(args)
+    try:
+        summary = build(config)
+    except BuildError as e:
+        print(f"prep build: error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(summary_lines(summary, config.out)))
+    print(json.dumps({"event": "prep_build_done", **summary}, sort_keys=True))
+    if summary["samples"] == 0:
+        print(f"prep build: error: no sample was written; all inputs were rejected, see {config.out / 'rejects.parquet'}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,182 @@
+"""Stage 7: the shard as the unit of work (img2dataset style).
+
+A shard is a group of whole videos. Its files, in the order they are written:
+    shard-000000.tar.tmp          WebDataset tar being written (schemas/shard.py layout)
+    shard-000000.samples.parquet  one SampleRecord per sample in the tar
+    shard-000000.rejects.parquet  one RejectRecord per window/video of the group that produced no sample
+    shard-000000.tar              the .tmp renamed once complete
+    shard-000000.stats.json       written LAST: a shard is complete iff this file exists
+A rerun skips complete shards and rebuilds the others from scratch; manifest.parquet and rejects.parquet
+are assembled from the sidecars afterwards.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from schemas.manifest import RejectRecord, SampleRecord, arrow_schema
+from schemas.shard import JSON_EXT, ShardSample, frame_ext
+
+INPUT_REJECTS = "input.rejects.parquet"  # rejects found before any shard (annotations, probe)
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:06d}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPaths:
+    out: Path
+    name: str  # shard-000000
+
+    @property
+    def tar(self) -> Path:
+        return self.out / f"{self.name}.tar"
+
+    @property
+    def tmp(self) -> Path:
+        return self.out / f"{self.name}.tar.tmp"
+
+    @property
+    def samples(self) -> Path:
+        return self.out / f"{self.name}.samples.parquet"
+
+    @property
+    def rejects(self) -> Path:
+        return self.out / f"{self.name}.rejects.parquet"
+
+    @property
+    def stats(self) -> Path:
+        return self.out / f"{self.name}.stats.json"
+
+    def is_complete(self) -> bool:
+        return self.stats.is_file()
+
+    def clear(self) -> None:
+        """Remove whatever an interrupted attempt left (stats first, so a crash here stays incomplete)."""
+        for p in (self.stats, self.tar, self.tmp, self.samples, self.rejects,
+                  self.samples.with_name(self.samples.name + ".tmp"), self.rejects.with_name(self.rejects.name + ".tmp")):
+            p.unlink(missing_ok=True)
+
+
+def _member(name: str, data: bytes) -> tuple[tarfile.TarInfo, io.BytesIO]:
+    """A tar member with fixed metadata, so rebuilding the same inputs gives a byte-identical shard."""
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mtime = 0
+    info.mode = 0o644
+    return info, io.BytesIO(data)
+
+
+class ShardWriter:
+    """Writes one shard's tar under its .tmp name; commit() renames it and returns (sha256, bytes)."""
+
+    def __init__(self, paths: ShardPaths):
+        self.paths = paths
+        self._file = open(paths.tmp, "wb")
+        self._hash = hashlib.sha256()
+        self._tar = tarfile.open(fileobj=_HashingWriter(self._file, self._hash), mode="w", format=tarfile.USTAR_FORMAT)
+        self.samples = 0
+
+    def add(self, sample: ShardSample, jpegs: list[bytes]) -> None:
+        key = sample.record.key
+        if len(jpegs) != sample.record.num_frames:
+            raise ValueError(f"{key}: {len(jpegs)} frames for num_frames={sample.record.num_frames}")
+        self._tar.addfile(*_member(f"{key}.{JSON_EXT}", json.dumps(sample.to_json(), separators=(",", ":")).encode()))
+        for i, data in enumerate(jpegs):
+            self._tar.addfile(*_member(f"{key}.{frame_ext(i)}", data))
+        self.samples += 1
+
+    def commit(self) -> tuple[str, int]:
+        self._tar.close()
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        size = self._file.tell()
+        self._file.close()
+        self.paths.tmp.replace(self.paths.tar)
+        return self._hash.hexdigest(), size
+
+    def abort(self) -> None:
+        self._file.close()
+        self.paths.tmp.unlink(missing_ok=True)
+
+
+class _HashingWriter:
+    """File wrapper that hashes what tarfile writes, so the sha256 costs no second read."""
+
+    def __init__(self, f, h):
+        self._f, self._h = f, h
+
+    def write(self, data: bytes) -> int:
+        self._h.update(data)
+        return self._f.write(data)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+
+def write_stats(paths: ShardPaths, stats: dict) -> None:
+    tmp = paths.stats.with_name(paths.stats.name + ".tmp")
+    tmp.write_text(json.dumps(stats, indent=1, sort_keys=True))
+    tmp.replace(paths.stats)
+
+
+def read_stats(paths: ShardPaths) -> dict:
+    return json.loads(paths.stats.read_text())
+
+
+def group_videos(weights: list[tuple[str, int, int]], samples_per_shard: int, shard_bytes: int | None) -> list[list[str]]:
+    """Greedy, deterministic grouping of whole videos into shards.
+
+    weights: (video_id, planned windows, estimated bytes) in the order to keep (sorted by video id). A
+    video never splits; a shard closes when the next video would push it past samples_per_shard or
+    shard_bytes (a soft cap: a single large video still gets its own shard).
+    """
+    groups: list[list[str]] = []
+    current: list[str] = []
+    n = size = 0
+    for vid, windows, nbytes in weights:
+        over = n + windows > samples_per_shard or (shard_bytes is not None and size + nbytes > shard_bytes)
+        if current and over:
+            groups.append(current)
+            current, n, size = [], 0, 0
+        current.append(vid)
+        n += windows
+        size += nbytes
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _concat(paths: list[Path], cls: type) -> pa.Table:
+    schema = arrow_schema(cls)
+    tables = [pq.read_table(p).cast(schema) for p in paths if p.is_file()]
+    return pa.concat_tables(tables) if tables else schema.empty_table()
+
+
+def assemble(out: Path, shard_names: list[str]) -> tuple[pa.Table, pa.Table]:
+    """manifest.parquet (sorted by sample_id) and rejects.parquet (sorted) from the sidecars."""
+    samples = _concat([ShardPaths(out, n).samples for n in shard_names], SampleRecord).sort_by("sample_id")
+    rejects = _concat([out / INPUT_REJECTS] + [ShardPaths(out, n).rejects for n in shard_names], RejectRecord)
+    rejects = rejects.sort_by([(c, "ascending") for c in ("video_id", "source_path", "stage", "reason", "detail")])
+    for name, table in (("manifest.parquet", samples), ("rejects.parquet", rejects)):
+        tmp = out / (name + ".tmp")
+        pq.write_table(table, tmp)
+        tmp.replace(out / name)
+    return samples, rejects
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
