@@ -148,8 +148,10 @@ def load_annotations(
     kept: list[Annotation] = []
     rejects: list[RejectRecord] = []
     first_row: dict[str, Annotation] = {}
+    named: set[str] = set()  # files some row names: its fate is that row's, never "without annotation"
     for n, row in enumerate(read_rows(path), 1):
         ann = parse_row(row, n, fmt, videos_dir, by_stem)
+        named.add(ann.source_path)
         if isinstance(ann, RejectRecord):
             rejects.append(ann)
             continue
@@ -165,7 +167,6 @@ def load_annotations(
                                   f"row {n}: {videos_dir / ann.source_path} does not exist"))
             continue
         kept.append(ann)
-    named = {Path(a.source_path).as_posix() for a in first_row.values()}
     for rel in files:
         if rel not in named:
             rejects.append(reject(Path(rel).with_suffix("").as_posix(), rel, "video_without_annotation",
