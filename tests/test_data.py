@@ -201,20 +201,33 @@ def test_store_refuses_a_manifest_from_another_build(tiny_build):
         SampleStore(root, records=records).get("vid/w0000")
 
 
-def test_store_reads_the_prep_build(request):
-    """The same store over a real `python -m prep build` output (fixture from tests/conftest.py)."""
-    try:
-        root = request.getfixturevalue("built_shards")
-    except pytest.FixtureLookupError:
-        pytest.skip("built_shards fixture (prep build) not available yet")
-    store = SampleStore(root)
-    assert len(store) > 0
-    tok = load_tokenizer()
-    for sid in sorted(store.records)[:3]:
-        s = store.get(sid)
-        preflight(s, tokenizer=tok)
-        pixels, grid = patchify(s.frames, SPEC)
-        assert grid == (s.record.grid_t, s.record.grid_h, s.record.grid_w)
+def test_prep_build_through_plan_loader_and_ledger(built_shards, tok, ids, tmp_path):
+    """A real `python -m prep build` output: every sample loads, passes pre-flight with the tokenizer, and
+    two ranks' loaders consume the plan exactly once (the ledger proves it)."""
+    from train.plan import PlanConfig, append_ledger, check_ledger, global_steps, plan_run
+
+    store = SampleStore(built_shards)
+    records = list(store.records.values())
+    assert len(records) == 12
+    preflight_records(records)
+    plans = plan_run(records, PlanConfig(world_size=2, grad_accum=2, seed=3), epochs=1)
+    assert plans[0].num_steps == 3
+    for rank in range(2):
+        steps = list(global_steps(plans, rank))
+        flat = [mb for *_, accum in steps for mb in accum]
+        batches = iter(rank_loader(store, flat, SPEC, **ids, tokenizer=tok, num_workers=1))
+        for g, _, _, accum in steps:
+            for mb in accum:
+                tensors, meta = next(batches)
+                assert meta.sample_ids == mb.sample_ids
+                r = store.record(mb.sample_ids[0])
+                assert tensors["video_grid_thw"].tolist() == [[r.grid_t, r.grid_h, r.grid_w]]
+                assert tensors["pixel_values_videos"].shape == (r.grid_t * r.grid_h * r.grid_w, SPEC.patch_dim)
+                assert int((tensors["mm_token_type_ids"] == 2).sum()) == r.visual_tokens
+            append_ledger(tmp_path, g, rank, accum)
+        assert next(batches, None) is None
+    report = check_ledger(tmp_path, plans)
+    assert report.ok and report.message() == "epoch 0: 12/12 planned samples consumed exactly once (0 pad repeats, 0 dropped)"
 
 
 # ---------------------------------------------------------------------------------------------------------
