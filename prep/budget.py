@@ -151,6 +151,11 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: float, max_pi
         beta = math.sqrt(height * width / max_pixels)
         h = floor_by_factor(height / beta, factor)
         w = floor_by_factor(width / beta, factor)
+        if h == 0 or w == 0:
+            # qwen-vl-utils computes the same 0 here and then fails inside torchvision's resize
+            raise ValueError(
+                f"{width}x{height} at most {max_pixels:.0f} pixels leaves a side under {factor} pixels"
+            )
     elif h * w < min_pixels:
         beta = math.sqrt(min_pixels / (height * width))
         h = ceil_by_factor(height * beta, factor)
