@@ -273,3 +273,35 @@ def test_truncate_ledger_on_resume(tmp_path):
         for r, mbs in enumerate(plans[e].steps[s]):
             append_ledger(tmp_path, g, r, mbs)
     assert check_ledger(tmp_path, plans).ok
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(1, 40), world=st.integers(1, 4), micro=st.integers(1, 3), accum=st.integers(1, 3),
+       tail=st.sampled_from(["error", "pad", "drop"]), budget=st.sampled_from([None, 300, 1000]))
+def test_every_sample_is_trained_once_dropped_or_refused(n, world, micro, accum, tail, budget):
+    """Whatever the numbers: a PlanError, or a plan where each sample is trained exactly once or listed as
+    dropped, repeats are marked, and every rank has whole steps with at least one real sample."""
+    rng = random.Random(n * 1000 + world)
+    recs = [record(i, tokens=rng.choice([100, 150, 290])) for i in range(n)]
+    try:
+        cfg = PlanConfig(world_size=world, micro_batch_size=1 if budget else micro, grad_accum=accum, tail=tail,
+                         max_tokens_per_batch=budget)
+        plan = plan_epoch(recs, cfg, 0)
+    except PlanError:
+        return
+    trained = all_ids(plan)
+    assert len(trained) == len(set(trained))
+    assert sorted(trained + plan.dropped) == sorted(r.sample_id for r in recs)
+    repeats = [s for s, rep in zip(all_ids(plan, repeats=True), [r for step in plan.steps for rank in step
+                                                                  for mb in rank for r in mb.repeat]) if rep]
+    assert repeats == plan.repeated and set(repeats) <= set(trained)
+    assert (not plan.repeated or tail == "pad") and (not plan.dropped or tail == "drop")
+    for step in plan.steps:
+        assert len(step) == world and all(len(rank) == accum for rank in step)
+        assert all(mb.sample_ids for rank in step for mb in rank)
+    for r in range(world):
+        assert any(not rep for mbs in plan.for_rank(r) for mb in mbs for rep in mb.repeat)

@@ -280,14 +280,11 @@ def plan_epoch(records: Sequence[SampleRecord], cfg: PlanConfig, epoch: int) -> 
     if cfg.token_mode:
         groups = [[r.sample_id for r in b] for b in _group_by_tokens(ordered, cfg, rng)]
         units, rep, dropped = _apply_tail(groups, W * A, cfg, len(ordered), min_real=W)
-        for s in range(len(units) // (W * A)):
-            # micro-batch index within the step = a * W + rank
-            steps.append([
-                [MicroBatch(sample_ids=list(units[s * W * A + a * W + r]), repeat=[rep[s * W * A + a * W + r]]
-                            * len(units[s * W * A + a * W + r])) for a in range(A)]
-                for r in range(W)
-            ])
-        repeated = [sid for u, is_rep in zip(units, rep) if is_rep for sid in u]
+        for base in range(0, len(units), W * A):
+            # micro-batch index within the step = a * W + rank: dealt round-robin over ranks
+            idx = [[base + a * W + r for a in range(A)] for r in range(W)]
+            steps.append([[MicroBatch(sample_ids=list(units[i]), repeat=[rep[i]] * len(units[i])) for i in rank]
+                          for rank in idx])
     else:
         B = cfg.micro_batch_size
         G = cfg.samples_per_step
@@ -302,12 +299,17 @@ def plan_epoch(records: Sequence[SampleRecord], cfg: PlanConfig, epoch: int) -> 
                 idx = [[base + (a * B + j) * W + r for j in range(B)] for a in range(A)]
                 step.append([MicroBatch(sample_ids=[flat[i] for i in mb], repeat=[rep[i] for i in mb]) for mb in idx])
             steps.append(step)
-        repeated = [sid for sid, is_rep in zip(flat, rep) if is_rep]
-    plan = EpochPlan(epoch=epoch, steps=steps, dropped=dropped, repeated=repeated, config=cfg, num_samples=len(ordered))
+    plan = EpochPlan(epoch=epoch, steps=steps, dropped=dropped, repeated=_repeats(steps), config=cfg,
+                     num_samples=len(ordered))
     for r in range(W):
         if not any(not rep for accum in plan.for_rank(r) for mb in accum for rep in mb.repeat):
             raise PlanError(f"{_numbers(cfg, len(ordered))}: rank {r} would train only pad repeats. Use fewer ranks.")
     return plan
+
+
+def _repeats(steps: list[list[list[MicroBatch]]]) -> list[str]:
+    """Pad repeats in plan order (step, rank, accum)."""
+    return [sid for step in steps for rank in step for mb in rank for sid, rep in zip(mb.sample_ids, mb.repeat) if rep]
 
 
 def plan_run(
@@ -333,8 +335,7 @@ def plan_run(
             plan.steps = plan.steps[:keep]
             plan.unreached = [sid for step in cut for rank in step for mb in rank
                               for sid, rep in zip(mb.sample_ids, mb.repeat) if not rep]
-            plan.repeated = [sid for step in plan.steps for rank in step for mb in rank
-                             for sid, rep in zip(mb.sample_ids, mb.repeat) if rep]
+            plan.repeated = _repeats(plan.steps)
         plans.append(plan)
         total += plan.num_steps
         epoch += 1
