@@ -1,0 +1,211 @@
+"""Saving what training produced, and resuming a run where it stopped.
+
+- LoRA: the adapter in PEFT format (RUN/adapter: adapter_config.json + adapter_model.safetensors). Under
+  ZeRO-3 the trainable tensors are gathered first (a collective on every rank); rank 0 writes. Trainable
+  non-LoRA tensors (--unfreeze-vision/--unfreeze-merger) go to non_lora_trainables.safetensors beside it,
+  the convention LLaVA uses. saved_tensors.json records a sha256 of every tensor as it was in memory, so
+  `python -m train.verify_adapter RUN` can tell a damaged file from a faithful one.
+- Full fine-tune: 16-bit weights gathered on save (ZeRO-3's consolidated state dict), written by rank 0
+  with `save_pretrained` into RUN/model, so plain `from_pretrained(RUN/model)` loads them.
+- Checkpoints: DeepSpeed's own engine.save_checkpoint (module, optimizer, scheduler) under
+  RUN/checkpoints/<tag>, plus one trainer_state_rank{r}.pt per rank: the global step reached, the plan
+  fingerprint and every RNG state, so a resumed run trains exactly the sample ids (and dropout masks) the
+  interrupted run would have.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ADAPTER_DIR = "adapter"
+MODEL_DIR = "model"
+CHECKPOINTS = "checkpoints"
+DIGESTS = "saved_tensors.json"
+NON_LORA = "non_lora_trainables.safetensors"
+
+
+class ResumeError(RuntimeError):
+    """The checkpoint cannot continue this run (different plan, world size, or missing files)."""
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    t = t.detach().to("cpu").contiguous()
+    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
+
+
+def _gathered(params):
+    zero = [p for p in params if hasattr(p, "ds_id")]
+    if not zero:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(zero, modifier_rank=None)
+
+
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    """name -> full (gathered) copy of every trainable tensor, on every rank. Collective under ZeRO-3."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    with _gathered([p for _, p in named]):
+        return {n: p.detach().to("cpu").clone() for n, p in named}
+
+
+def save_adapter(model, run_dir: Path, *, rank: int, tokenizer=None) -> Path:
+    """PEFT adapter of a LoRA model (all ranks call; rank 0 writes). Returns the adapter directory."""
+    from safetensors.torch import load_file, save_file
+
+    out = Path(run_dir) / ADAPTER_DIR
+    state = trainable_state(model)
+    if rank != 0:
+        return out
+    lora = {k: v for k, v in state.items() if "lora_" in k}
+    other = {k: v for k, v in state.items() if "lora_" not in k}
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), state_dict=lora, safe_serialization=True)
+    digests = {"adapter_model.safetensors": {}, NON_LORA: {}}
+    # Record what the file must hold, from the in-memory tensors, keyed by the names PEFT wrote.
+    written = load_file(str(out / "adapter_model.safetensors"))
+    by_memory = {_peft_file_key(k): v for k, v in lora.items()}
+    for key, tensor in written.items():
+        if key not in by_memory:
+            raise RuntimeError(f"adapter file holds {key}, which no trainable LoRA tensor maps to")
+        digests["adapter_model.safetensors"][key] = tensor_sha256(by_memory[key])
+    if len(written) != len(lora):
+        raise RuntimeError(f"PEFT wrote {len(written)} adapter tensors for {len(lora)} trainable LoRA tensors")
+    if other:
+        base = {_base_key(k): v.contiguous() for k, v in other.items()}
+        save_file(base, str(out / NON_LORA), metadata={"format": "pt"})
+        digests[NON_LORA] = {k: tensor_sha256(v) for k, v in base.items()}
+    (out / DIGESTS).write_text(json.dumps(digests, indent=1))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    return out
+
+
+def _peft_file_key(name: str) -> str:
+    """Model parameter name -> the key PEFT writes: the adapter name ('.default') is dropped."""
+    return name.replace(".default.", ".")
+
+
+def _base_key(name: str) -> str:
+    """PEFT-wrapped parameter name -> the base model's name (what from_pretrained models call it)."""
+    return name.removeprefix("base_model.model.")
+
+
+def save_full(engine, model, run_dir: Path, *, rank: int, tokenizer=None, dtype=torch.bfloat16) -> Path:
+    """16-bit weights of a full fine-tune, loadable with from_pretrained (all ranks call; rank 0 writes)."""
+    out = Path(run_dir) / MODEL_DIR
+    if engine.zero_optimization_partition_weights():
+        state = engine._zero3_consolidated_16bit_state_dict()  # gathered layer by layer onto rank 0
+    else:
+        state = model.state_dict() if rank == 0 else None
+    if rank != 0:
+        return out
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    model.save_pretrained(str(out), state_dict=state, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checkpoints and resume
+
+
+@dataclasses.dataclass
+class TrainerState:
+    """What DeepSpeed's checkpoint does not hold; one per rank."""
+
+    global_step: int  # optimizer steps completed; training resumes at this 0-based global step
+    plan_sha256: str  # fingerprint of the whole run plan; a resumed run must plan identically
+    world_size: int
+    rng: dict  # python / numpy / torch (cpu + cuda) RNG states of this rank
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def tag_for(step: int) -> str:
+    return f"step{step:06d}"
+
+
+def save_checkpoint(engine, run_dir: Path, *, global_step: int, plan_sha256: str, rank: int, world_size: int) -> Path:
+    """engine.save_checkpoint (collective) + this rank's TrainerState. Returns the checkpoint directory."""
+    root = Path(run_dir) / CHECKPOINTS
+    tag = tag_for(global_step)
+    engine.save_checkpoint(str(root), tag=tag)
+    state = TrainerState(global_step=global_step, plan_sha256=plan_sha256, world_size=world_size, rng=rng_state())
+    torch.save(dataclasses.asdict(state), root / tag / f"trainer_state_rank{rank}.pt")
+    return root / tag
+
+
+def latest_tag(resume_dir: Path) -> str:
+    latest = Path(resume_dir) / CHECKPOINTS / "latest"
+    if not latest.exists():
+        raise ResumeError(f"{latest} not found: {resume_dir} has no completed checkpoint")
+    return latest.read_text().strip()
+
+
+def load_checkpoint(engine, resume_dir: Path, *, rank: int, world_size: int, plan_sha256: str) -> TrainerState:
+    """Restore module, optimizer and scheduler (DeepSpeed), then check the plan; RNG is restored by the
+    caller right before the loop (set_rng_state) so nothing in between consumes it."""
+    root = Path(resume_dir) / CHECKPOINTS
+    tag = latest_tag(resume_dir)
+    path = root / tag / f"trainer_state_rank{rank}.pt"
+    if not path.exists():
+        raise ResumeError(f"{path} not found: the checkpoint {tag} was written by fewer ranks than {world_size}")
+    state = TrainerState(**torch.load(path, weights_only=False))
+    problems = []
+    if state.world_size != world_size:
+        problems.append(f"it was written by {state.world_size} ranks, this run has {world_size}")
+    if state.plan_sha256 != plan_sha256:
+        problems.append("its data plan differs from this run's (manifest, seed, batch size, accumulation, tail or "
+                        "epochs changed); resuming would not train the same samples")
+    if problems:
+        raise ResumeError(f"cannot resume from {root / tag}: " + "; ".join(problems))
+    load_path, _ = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+    if load_path is None:
+        raise ResumeError(f"DeepSpeed could not load the checkpoint {root / tag}")
+    return state
+
+
+def carry_ledger(resume_dir: Path, run_dir: Path, rank: int, before_step: int) -> int:
+    """A resumed run continues the ledger: keep the lines of steps < before_step (in place, or copied to a
+    new run directory). Returns the lines kept."""
+    from train.plan import ledger_path, truncate_ledger
+
+    src, dst = ledger_path(resume_dir, rank), ledger_path(run_dir, rank)
+    if Path(resume_dir).resolve() == Path(run_dir).resolve():
+        truncate_ledger(run_dir, rank, before_step)
+    elif src.exists():
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        lines = [ln for ln in src.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] < before_step]
+        dst.write_text("".join(ln + "\n" for ln in lines))
+    return len(dst.read_text().splitlines()) if dst.exists() else 0
+
+
+def plan_fingerprint(plans) -> str:
+    return hashlib.sha256(json.dumps([p.to_json() for p in plans], sort_keys=True).encode()).hexdigest()
+
+
+def remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=False)

@@ -1,0 +1,356 @@
+"""TrainConfig: every knob of `train.main`, typed, parsed from the command line and validated up front.
+
+`parse_config(argv)` returns a TrainConfig or raises ConfigError listing every problem at once, so a
+run never gets as far as loading weights with a bad combination. The resolved config is written to
+RUN/run.json; nothing deeper in the trainer reads argparse output or nested dicts.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+TAILS = ("error", "pad", "drop")
+FINETUNE = ("lora", "full")
+DTYPES = ("bf16", "fp32")
+ZERO_STAGES = (0, 1, 2, 3)
+FAMILIES = ("qwen3_vl", "qwen3_5")
+# Language-model linear layers of both families (Qwen3.5's linear-attention projections included); the
+# vision tower ("model.visual.*") never matches because the path must contain "language_model".
+DEFAULT_LORA_TARGETS = (
+    r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj"
+    r"|in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj)"
+)
+
+
+class ConfigError(ValueError):
+    """The command line asks for something impossible; the message lists every problem."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainConfig:
+    """One training run, as resolved from the command line (written to RUN/run.json)."""
+
+    shards: Path  # prep build output: manifest.parquet, build.json, *.tar
+    output_dir: Path  # RUN: logs, ledger, checkpoints, adapter or model, run.json
+    model: Path | None = None  # save_pretrained directory; None = the bundled tiny random model
+    model_family: str | None = None  # qwen3_vl | qwen3_5: only picks the tiny model, or overrides detection
+    cache_dir: Path | None = None  # where the tiny model is created (default RUN/../.video_ora_cache)
+    epochs: int | None = None  # passes over the manifest (default 1 when --max-steps is not given)
+    max_steps: int | None = None  # stop after this many optimizer steps (the last epoch may end early)
+    micro_batch_size: int = 1  # samples per forward on one rank
+    grad_accum: int = 1  # micro-batches per rank per optimizer step
+    lr: float = 1e-4  # peak learning rate
+    warmup_steps: int | None = None  # linear warmup steps (overrides warmup_ratio)
+    warmup_ratio: float = 0.05  # warmup as a fraction of all optimizer steps
+    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
+    weight_decay: float = 0.0  # AdamW weight decay
+    max_grad_norm: float = 1.0  # gradient clipping (0 disables)
+    tail: str = "error"  # samples that do not fill a whole global step: error|pad|drop
+    max_tokens_per_batch: int | None = None  # token budget per micro-batch (length grouping); None = fixed size
+    finetune: str = "lora"  # lora | full
+    lora_r: int = 8
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    lora_targets: str = DEFAULT_LORA_TARGETS  # regex over module names (PEFT target_modules)
+    unfreeze_vision: bool = False  # train the vision tower (blocks and patch embedding)
+    unfreeze_merger: bool = False  # train the vision-to-language merger
+    deepspeed: Path | None = None  # DeepSpeed JSON; "auto" values are filled from this config
+    zero_stage: int = 3  # ZeRO stage of the default config (ignored when --deepspeed names a stage)
+    reduce_bucket_size: float = 5e6  # default config: reduce_bucket_size (Video-ORA used 5e6)
+    prefetch_bucket_size: float = 5e6  # default config: stage3_prefetch_bucket_size
+    param_persistence_threshold: float = 1e4  # default config: stage3_param_persistence_threshold
+    offload_optimizer: bool = False  # ZeRO optimizer state on CPU
+    offload_params: bool = False  # ZeRO-3 parameters on CPU
+    gradient_checkpointing: bool = True
+    save_every: int = 0  # checkpoint every N optimizer steps (0: never; the final weights are always saved)
+    resume: Path | None = None  # RUN directory to resume from (its latest checkpoint)
+    verify_load: bool = False  # compare every checkpoint tensor against the loaded (gathered) parameters
+    seed: int = 0
+    dtype: str = "bf16"  # bf16 | fp32 (parameters and compute; master weights stay fp32 in the optimizer)
+    log_every: int = 1  # rank 0 prints every Nth step line (every line still goes to the per-rank log)
+    num_workers: int = 1  # data loader worker processes per rank (0 = read in the training process)
+    full_logits: bool = False  # compute logits at every position (HF loss) instead of supervised ones only
+
+    @property
+    def lora(self) -> bool:
+        return self.finetune == "lora"
+
+    def to_json(self) -> dict:
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self).items()}
+
+    def validate(self) -> None:
+        """Raise ConfigError naming every problem (not just the first)."""
+        p: list[str] = []
+        if not self.shards.is_dir():
+            p.append(f"--shards {self.shards}: not a directory")
+        elif not (self.shards / "manifest.parquet").exists():
+            p.append(f"--shards {self.shards}: no manifest.parquet (run `python -m prep build` first)")
+        if self.model is not None and not (self.model / "config.json").exists():
+            p.append(f"--model {self.model}: no config.json (expected a save_pretrained directory)")
+        if self.model_family is not None and self.model_family not in FAMILIES:
+            p.append(f"--model-family {self.model_family!r}: choose one of {', '.join(FAMILIES)}")
+        if self.epochs is not None and self.epochs < 1:
+            p.append(f"--epochs must be >= 1, got {self.epochs}")
+        if self.max_steps is not None and self.max_steps < 1:
+            p.append(f"--max-steps must be >= 1, got {self.max_steps}")
+        for name in ("micro_batch_size", "grad_accum", "log_every", "lora_r"):
+            if getattr(self, name) < 1:
+                p.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("save_every", "num_workers"):
+            if getattr(self, name) < 0:
+                p.append(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0:
+            p.append(f"--lr must be > 0, got {self.lr}")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            p.append(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.warmup_ratio < 1:
+            p.append(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            p.append(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.weight_decay < 0:
+            p.append(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if self.max_grad_norm < 0:
+            p.append(f"--max-grad-norm must be >= 0, got {self.max_grad_norm}")
+        if self.tail not in TAILS:
+            p.append(f"--tail {self.tail!r}: choose one of {'|'.join(TAILS)}")
+        if self.max_tokens_per_batch is not None:
+            if self.max_tokens_per_batch < 1:
+                p.append(f"--max-tokens-per-batch must be >= 1, got {self.max_tokens_per_batch}")
+            if self.micro_batch_size != 1:
+                p.append("--max-tokens-per-batch and --micro-batch-size > 1 are exclusive "
+                         "(the token budget decides how many samples a micro-batch holds)")
+        if self.finetune not in FINETUNE:
+            p.append(f"--finetune {self.finetune!r}: choose one of {'|'.join(FINETUNE)}")
+        if not 0 <= self.lora_dropout < 1:
+            p.append(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        try:
+            re.compile(self.lora_targets)
+        except re.error as e:
+            p.append(f"--lora-targets is not a valid regex: {e}")
+        if self.zero_stage not in ZERO_STAGES:
+            p.append(f"--zero-stage {self.zero_stage}: choose one of {ZERO_STAGES}")
+        if self.offload_params and self.zero_stage != 3 and self.deepspeed is None:
+            p.append("--offload-params needs ZeRO stage 3")
+        if self.offload_optimizer and self.zero_stage == 0 and self.deepspeed is None:
+            p.append("--offload-optimizer needs ZeRO stage >= 1")
+        for name in ("reduce_bucket_size", "prefetch_bucket_size"):
+            if getattr(self, name) < 1:
+                p.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.deepspeed is not None:
+            if not self.deepspeed.is_file():
+                p.append(f"--deepspeed {self.deepspeed}: no such file")
+            else:
+                try:
+                    json.loads(self.deepspeed.read_text())
+                except json.JSONDecodeError as e:
+                    p.append(f"--deepspeed {self.deepspeed}: not valid JSON ({e})")
+        if self.resume is not None and not (self.resume / "checkpoints").is_dir():
+            p.append(f"--resume {self.resume}: no checkpoints/ directory (was it run with --save-every?)")
+        if self.dtype not in DTYPES:
+            p.append(f"--dtype {self.dtype!r}: choose one of {'|'.join(DTYPES)}")
+        if p:
+            raise ConfigError("invalid training config:\n  - " + "\n  - ".join(p))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = TrainConfig(shards=Path("."), output_dir=Path("."))
+    ap = argparse.ArgumentParser(
+        prog="train.main",
+        description="Fine-tune a Qwen3-VL / Qwen3.5 video model on a `prep build` output with DeepSpeed. "
+        "Launch with `deepspeed -m train.main ...`, `torchrun -m train.main ...` or plain `python -m train.main` "
+        "(one process). On CPU set DS_ACCELERATOR=cpu.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = ap.add_argument_group("data")
+    g.add_argument("--shards", type=Path, required=True, help="prep build output directory (manifest.parquet, build.json, tars)")
+    g.add_argument("--output-dir", type=Path, required=True, help="run directory: logs, ledger, checkpoints, saved weights, run.json")
+    g.add_argument("--tail", choices=TAILS, default=d.tail,
+                   help="samples that do not fill whole global steps: error (stop and say the numbers), "
+                   "pad (repeat samples, counted as repeats), drop (leave them out, ids listed)")
+    g.add_argument("--max-tokens-per-batch", type=int, default=None,
+                   help="token budget per micro-batch (padded length x samples); groups samples by length. "
+                   "Default: fixed --micro-batch-size")
+    g.add_argument("--num-workers", type=int, default=d.num_workers, help="data loader workers per rank")
+    g = ap.add_argument_group("model")
+    g.add_argument("--model", type=Path, default=None,
+                   help="save_pretrained model directory; default: the bundled tiny random model (created on first use)")
+    g.add_argument("--model-family", choices=FAMILIES, default=None,
+                   help="which tiny model to create when --model is not given; with --model it must match config.json")
+    g.add_argument("--cache-dir", type=Path, default=None, help="where the tiny model is created (default: OUTPUT_DIR/../.video_ora_cache)")
+    g.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="parameter and compute dtype")
+    g.add_argument("--verify-load", action="store_true",
+                   help="after loading, compare every checkpoint tensor numerically with the (gathered) parameter")
+    g = ap.add_argument_group("schedule")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--epochs", type=int, default=None, help="passes over the manifest (default 1)")
+    x.add_argument("--max-steps", type=int, default=None, help="optimizer steps to run (epochs repeat as needed)")
+    g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size, help="samples per forward on one rank")
+    g.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per rank per optimizer step")
+    g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
+    g.add_argument("--warmup-steps", type=int, default=None, help="linear warmup steps (overrides --warmup-ratio)")
+    g.add_argument("--warmup-ratio", type=float, default=d.warmup_ratio, help="warmup as a fraction of all steps")
+    g.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="cosine decays to lr x this")
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
+    g.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="gradient clipping norm (0: off)")
+    g.add_argument("--seed", type=int, default=d.seed, help="plan shuffle, LoRA init and dropout seed")
+    g = ap.add_argument_group("fine-tuning")
+    g.add_argument("--finetune", choices=FINETUNE, default=d.finetune, help="LoRA adapter or full fine-tune")
+    g.add_argument("--lora-r", type=int, default=d.lora_r, help="LoRA rank")
+    g.add_argument("--lora-alpha", type=int, default=d.lora_alpha, help="LoRA alpha (scale = alpha / r)")
+    g.add_argument("--lora-dropout", type=float, default=d.lora_dropout, help="dropout on the LoRA input")
+    g.add_argument("--lora-targets", default=d.lora_targets,
+                   help="regex over module names that get LoRA (default: the language model's linear layers)")
+    g.add_argument("--unfreeze-vision", action="store_true", help="also train the vision tower (frozen by default in both modes)")
+    g.add_argument("--unfreeze-merger", action="store_true", help="also train the vision-to-language merger(s) (frozen by default)")
+    g.add_argument("--full-logits", action="store_true",
+                   help="compute logits at every position and use the model's own loss (default: only at "
+                   "supervised positions, which saves the largest activation)")
+    g = ap.add_argument_group("deepspeed")
+    g.add_argument("--deepspeed", type=Path, default=None,
+                   help="DeepSpeed JSON config; 'auto' values are filled from these flags. Default: the original "
+                   "Video-ORA config (ZeRO-3, 5e6 buckets, no offload) with the stage/bucket/offload flags below")
+    g.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, default=d.zero_stage, help="ZeRO stage of the default config")
+    g.add_argument("--reduce-bucket-size", type=float, default=d.reduce_bucket_size, help="default config: reduce_bucket_size")
+    g.add_argument("--prefetch-bucket-size", type=float, default=d.prefetch_bucket_size,
+                   help="default config: stage3_prefetch_bucket_size")
+    g.add_argument("--param-persistence-threshold", type=float, default=d.param_persistence_threshold,
+                   help="default config: stage3_param_persistence_threshold")
+    g.add_argument("--offload-optimizer", action="store_true", help="keep optimizer state on CPU (ZeRO >= 1)")
+    g.add_argument("--offload-params", action="store_true", help="keep parameters on CPU (ZeRO-3)")
+    g.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=d.gradient_checkpointing,
+                   help="recompute activations in backward (saves memory)")
+    g = ap.add_argument_group("run")
+    g.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N optimizer steps (0: never)")
+    g.add_argument("--resume", type=Path, default=None,
+                   help="resume from the latest checkpoint of this run directory (model, optimizer, scheduler, RNG, plan position)")
+    g.add_argument("--log-every", type=int, default=d.log_every, help="rank 0 prints every Nth step line")
+    # Launchers pass these; the environment (LOCAL_RANK) is what the trainer reads.
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return ap
+
+
+def parse_config(argv: list[str] | None = None) -> TrainConfig:
+    ns = vars(build_parser().parse_args(argv))
+    ns.pop("local_rank", None)
+    cfg = TrainConfig(**ns)
+    cfg.validate()
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------------------
+# DeepSpeed config
+
+
+def default_deepspeed_config(cfg: TrainConfig) -> dict:
+    """The original Video-ORA config (ZeRO-3, 5e6 buckets, no offload), with stage, buckets and offload
+    taken from the flags. "auto" values are filled by `resolve_deepspeed_config`."""
+    zero: dict = {"stage": cfg.zero_stage, "overlap_comm": False, "contiguous_gradients": True,
+                  "reduce_bucket_size": cfg.reduce_bucket_size}
+    if cfg.zero_stage == 3:
+        zero.update({"stage3_prefetch_bucket_size": cfg.prefetch_bucket_size,
+                     "stage3_param_persistence_threshold": cfg.param_persistence_threshold,
+                     "stage3_max_live_parameters": 1e8, "stage3_max_reuse_distance": 1e8,
+                     "stage3_gather_16bit_weights_on_model_save": True})
+    if cfg.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if cfg.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    optimizer_params: dict = {"lr": "auto", "weight_decay": "auto", "betas": [0.9, 0.999], "eps": 1e-8}
+    if not cfg.offload_optimizer:
+        optimizer_params["torch_adam"] = True  # plain torch AdamW: no op to compile (CPU offload uses DeepSpeedCPUAdam)
+    return {
+        "bf16": {"enabled": "auto"},
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": optimizer_params},
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def resolve_deepspeed_config(cfg: TrainConfig, world_size: int, total_steps: int) -> dict:
+    """The DeepSpeed config as used: the file (or the default) with every "auto" filled from cfg.
+
+    A value the file sets explicitly that contradicts the plan (micro-batch, accumulation, batch size) is
+    an error, because the plan is built from the flags. Any "auto" left over is an error naming its key.
+    """
+    base = json.loads(cfg.deepspeed.read_text()) if cfg.deepspeed else default_deepspeed_config(cfg)
+    ds = json.loads(json.dumps(base))  # deep copy
+    warmup = warmup_steps(cfg, total_steps)
+    fills = {
+        ("train_micro_batch_size_per_gpu",): cfg.micro_batch_size,
+        ("gradient_accumulation_steps",): cfg.grad_accum,
+        ("train_batch_size",): cfg.micro_batch_size * cfg.grad_accum * world_size,
+        ("gradient_clipping",): cfg.max_grad_norm,
+        ("bf16", "enabled"): cfg.dtype == "bf16",
+        ("fp16", "enabled"): False,
+        ("optimizer", "params", "lr"): cfg.lr,
+        ("optimizer", "params", "weight_decay"): cfg.weight_decay,
+        ("optimizer", "params", "betas"): [0.9, 0.999],
+        ("optimizer", "params", "eps"): 1e-8,
+        ("zero_optimization", "stage"): cfg.zero_stage,
+        ("zero_optimization", "reduce_bucket_size"): cfg.reduce_bucket_size,
+        ("zero_optimization", "stage3_prefetch_bucket_size"): cfg.prefetch_bucket_size,
+        ("zero_optimization", "stage3_param_persistence_threshold"): cfg.param_persistence_threshold,
+        ("scheduler", "params", "warmup_num_steps"): warmup,
+        ("scheduler", "params", "total_num_steps"): total_steps,
+        ("scheduler", "params", "warmup_max_lr"): cfg.lr,
+        ("scheduler", "params", "warmup_min_lr"): 0.0,
+    }
+    for keys, value in fills.items():
+        node = ds
+        for k in keys[:-1]:
+            node = node.get(k) if isinstance(node, dict) else None
+            if node is None:
+                break
+        if isinstance(node, dict) and node.get(keys[-1]) == "auto":
+            node[keys[-1]] = value
+    problems = [f"{'.'.join(path)} is still \"auto\" (no flag fills it; set a value)" for path in _autos(ds)]
+    for key, want in (("train_micro_batch_size_per_gpu", cfg.micro_batch_size),
+                      ("gradient_accumulation_steps", cfg.grad_accum),
+                      ("train_batch_size", cfg.micro_batch_size * cfg.grad_accum * world_size)):
+        if key in ds and ds[key] != "auto" and ds[key] != want:
+            problems.append(f"{key}={ds[key]} in {cfg.deepspeed} but the flags give {want} "
+                            "(set it to \"auto\" or change --micro-batch-size/--grad-accum)")
+    if (ds.get("fp16") or {}).get("enabled"):
+        problems.append("fp16 is not supported (use bf16 or fp32)")
+    if (ds.get("bf16") or {}).get("enabled", False) != (cfg.dtype == "bf16"):
+        problems.append(f"bf16.enabled={ds.get('bf16', {}).get('enabled')} contradicts --dtype {cfg.dtype}")
+    if problems:
+        raise ConfigError("invalid DeepSpeed config:\n  - " + "\n  - ".join(problems))
+    return ds
+
+
+def _autos(node, path=()):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _autos(v, path + (k,))
+    elif node == "auto":
+        yield path
+
+
+def zero_stage(ds: dict) -> int:
+    return int((ds.get("zero_optimization") or {}).get("stage", 0))
+
+
+def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:
+    if cfg.warmup_steps is not None:
+        return min(cfg.warmup_steps, total_steps)
+    return int(cfg.warmup_ratio * total_steps)
+
+
+def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
+    """Multiplier of the peak lr for the optimizer step `step` (0-based): linear warmup that starts above
+    zero (step 0 already trains), then cosine down to min_ratio at the last step."""
+    import math
+
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = (step - warmup) / max(1, total - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))

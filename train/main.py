@@ -1,0 +1,545 @@
+"""Fine-tune a Qwen3-VL / Qwen3.5 video model on a `prep build` output: one recipe, read top to bottom.
+
+    deepspeed [--num_gpus N] -m train.main --shards SHARDS --output-dir RUN [...]
+    torchrun --nproc_per_node N -m train.main --shards SHARDS --output-dir RUN [...]
+    python -m train.main --shards SHARDS --output-dir RUN [...]          # one process
+    (CPU: DS_ACCELERATOR=cpu; ranks talk over gloo)
+
+`Recipe.setup()` runs in an order that matters: validate -> plan every epoch (so a bad world size or tail
+fails before any weight loads) -> pre-flight the manifest -> load the model partitioned (ZeRO-3) ->
+verify the load -> LoRA/full -> DeepSpeed engine (optimizer, scheduler) -> resume state -> data loader.
+`train()` is the whole loop. Exit codes: 0 done, 2 a config/plan/data/load problem (message says what),
+3 out of memory (report in RUN/oom_rank{r}.json).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from train.checkpoint import (
+    ResumeError,
+    carry_ledger,
+    load_checkpoint,
+    plan_fingerprint,
+    save_adapter,
+    save_checkpoint,
+    save_full,
+    set_rng_state,
+    trainable_state,
+)
+from train.config import (
+    ConfigError,
+    TrainConfig,
+    lr_factor,
+    parse_config,
+    resolve_deepspeed_config,
+    warmup_steps,
+    zero_stage,
+)
+from train.data import (
+    IGNORE_INDEX,
+    PreflightError,
+    SampleError,
+    SampleStore,
+    VisionSpec,
+    preflight_records,
+    rank_loader,
+)
+from train.jsonlog import RunLog
+from train.load_check import LoadError, check_load, verify_values
+from train.memory import PhaseMemory, all_ranks_memory, device_info, maybe_fail, summary_table
+from train.models import detect_family, ensure_tiny_model
+from train.plan import PlanConfig, PlanError, append_ledger, check_ledger, global_steps, plan_run, total_steps
+from train.run_record import build_run_record, update_run_record, write_json
+
+EXIT_USAGE = 2
+EXIT_OOM = 3
+USER_ERRORS = (ConfigError, PlanError, PreflightError, SampleError, LoadError, ResumeError)
+
+
+class TrainingOOM(RuntimeError):
+    """Out of memory, with the report already written; main() turns it into exit code 3."""
+
+
+def init_distributed() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank). A plain `python -m train.main` becomes a world of one."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    accel = get_accelerator()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if accel.device_name() != "cpu":
+        accel.set_device(local_rank)
+    backend = "gloo" if accel.device_name() == "cpu" else accel.communication_backend_name()
+    deepspeed.init_distributed(dist_backend=backend)
+    return torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank
+
+
+class Recipe:
+    """LoRA or full fine-tuning with DeepSpeed; one instance per rank."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.run_dir = cfg.output_dir
+        self.rank, self.world_size, self.local_rank = 0, 1, 0
+        self.global_step = 0  # optimizer steps completed
+        self.start_step = 0  # where this process starts (resume)
+        self.phase = "setup"
+        self.current_meta = None  # BatchMeta of the micro-batch in flight (OOM report)
+        self._hf_ds_config = None  # must outlive from_pretrained: transformers holds it by weak reference
+        self._resume_rng = None
+        self._last_losses: list[float] = []
+
+    # ------------------------------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.rank, self.world_size, self.local_rank = init_distributed()
+        from deepspeed.accelerator import get_accelerator
+
+        self.device = torch.device(get_accelerator().current_device_name())
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log = RunLog(self.run_dir, self.rank)
+        self.memory = PhaseMemory(self.run_dir, self.rank)
+        self.log.event("start", argv=sys.argv, world_size=self.world_size, device=str(self.device))
+
+        # 1. Plan every epoch from the manifest, before anything heavy: a world size that leaves a rank
+        #    without a batch, or a tail that does not fit, stops here with the numbers.
+        self.store = SampleStore(cfg.shards)
+        self.plan_config = PlanConfig(world_size=self.world_size, micro_batch_size=cfg.micro_batch_size,
+                                      grad_accum=cfg.grad_accum, seed=cfg.seed, tail=cfg.tail,
+                                      max_tokens_per_batch=cfg.max_tokens_per_batch)
+        self.plans = plan_run(list(self.store.records.values()), self.plan_config, epochs=cfg.epochs,
+                              max_steps=cfg.max_steps)
+        self.total_steps = total_steps(self.plans)
+        self.plan_sha256 = plan_fingerprint(self.plans)
+        planned = sorted({sid for p in self.plans for sid in p.sample_ids(repeats=True)})
+        self.log.event("plan", total_steps=self.total_steps, samples=len(planned), plan_sha256=self.plan_sha256,
+                       epochs=[{"epoch": p.epoch, "steps": p.num_steps, "dropped": p.dropped, "repeated": p.repeated}
+                               for p in self.plans])
+        for p in self.plans:
+            self.log.say(p.describe())
+        if self.rank == 0:
+            write_json(self.run_dir / "plan.json", {"plans": [p.to_json() for p in self.plans]})
+
+        # 2. Model directory and family (config.json only, no weights yet).
+        self.model_dir = self._model_dir()
+        self.family = detect_family(self.model_dir)
+        if cfg.model_family is not None and cfg.model is not None and cfg.model_family != self.family:
+            raise ConfigError(f"--model-family {cfg.model_family} but {self.model_dir}/config.json is {self.family}")
+        from transformers import AutoConfig
+
+        from prep.tokens import load_tokenizer
+
+        self.model_config = AutoConfig.from_pretrained(self.model_dir)
+        self.vision = VisionSpec.from_model_config(self.model_config)
+        self.tokenizer = load_tokenizer(str(self.model_dir))
+
+        # 3. Pre-flight every planned sample from the manifest (the loader checks each one again as it reads).
+        preflight_records([self.store.record(s) for s in planned], spec=self.vision)
+
+        # 4. DeepSpeed config as used, and the run record (before the load, so a crash still leaves it).
+        self.ds_config = resolve_deepspeed_config(cfg, self.world_size, self.total_steps)
+        self.zero_stage = zero_stage(self.ds_config)
+        if self.rank == 0:
+            record = build_run_record(
+                config=cfg.to_json(), ds_config=self.ds_config, shards=cfg.shards, world_size=self.world_size,
+                devices=device_info(), model_dir=str(self.model_dir), family=self.family,
+                plan_summary="\n".join(p.describe() for p in self.plans))
+            write_json(self.run_dir / "run.json", record)
+
+        # 5. Load (partitioned at load under ZeRO-3) and verify against the checkpoint files.
+        self.model = self._load_model()
+
+        # 6. What trains: LoRA adapters (default) or every language-model weight; vision frozen unless asked.
+        self.model = self._setup_trainable(self.model)
+
+        # 7. Engine: DeepSpeed builds the optimizer from its config; the scheduler is ours unless the config has one.
+        self.engine = self._setup_engine()
+
+        # 8. Resume: module, optimizer and scheduler from DeepSpeed's checkpoint; plan position and RNG ours.
+        if cfg.resume is not None:
+            state = load_checkpoint(self.engine, cfg.resume, rank=self.rank, world_size=self.world_size,
+                                    plan_sha256=self.plan_sha256)
+            self.start_step = self.global_step = state.global_step
+            self._resume_rng = state.rng
+            kept = carry_ledger(cfg.resume, self.run_dir, self.rank, self.start_step)
+            self.log.event("resume", from_dir=str(cfg.resume), global_step=self.start_step, ledger_lines_kept=kept)
+            self.log.say(f"resumed from {cfg.resume} at global step {self.start_step} of {self.total_steps}")
+
+        # 9. Data: this rank's micro-batches from the resume point on, read and collated ahead by workers.
+        self.steps = list(global_steps(self.plans, self.rank, start=self.start_step))
+        micro_batches = [mb for _, _, _, accum in self.steps for mb in accum]
+        self.loader = rank_loader(
+            self.store, micro_batches, self.vision, video_token_id=self.model_config.video_token_id,
+            pad_token_id=self._pad_id(), tokenizer=self.tokenizer, num_workers=cfg.num_workers,
+            pixel_dtype=self.dtype)
+
+    def _model_dir(self) -> Path:
+        if self.cfg.model is not None:
+            return self.cfg.model
+        family = self.cfg.model_family or self._build_family() or "qwen3_vl"
+        cache = self.cfg.cache_dir or Path(os.environ.get("VIDEO_ORA_CACHE", Path.home() / ".cache" / "video-ora"))
+        # Rank 0 creates the tiny model once; the others wait instead of racing on the same directory.
+        if self.rank == 0:
+            path = ensure_tiny_model(family, cache)
+        torch.distributed.barrier()
+        if self.rank != 0:
+            path = ensure_tiny_model(family, cache)
+        return path
+
+    def _build_family(self) -> str | None:
+        build = self.cfg.shards / "build.json"
+        if not build.exists():
+            return None
+        data = json.loads(build.read_text())
+        budget = data.get("budget") or data.get("video_budget") or {}
+        return data.get("model_family") or (budget.get("model_family") if isinstance(budget, dict) else None)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.cfg.dtype == "bf16" else torch.float32
+
+    def _pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else self.model_config.text_config.pad_token_id or 0
+
+    def _load_model(self):
+        from transformers import AutoModelForImageTextToText
+        from transformers.integrations import HfDeepSpeedConfig
+
+        self.phase = "load"
+        self.log.event("load_start", model_dir=str(self.model_dir), family=self.family, zero_stage=self.zero_stage)
+        t0 = time.time()
+        if self.zero_stage == 3:
+            # Kept alive on self: with it, from_pretrained builds the model inside deepspeed.zero.Init and
+            # each rank only ever holds its partition.
+            self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
+        maybe_fail("load", 0, self.rank)
+        model, info = AutoModelForImageTextToText.from_pretrained(self.model_dir, dtype=self.dtype,
+                                                                   output_loading_info=True)
+        model.config.use_cache = False
+        report, entries = check_load(model, self.model_dir, info)
+        self.log.say(report.message())
+        verified = None
+        if self.cfg.verify_load:
+            verified = verify_values(model, self.model_dir, report, entries, rank=self.rank, world_size=self.world_size)
+            total = len(report.mapping) + len(report.tied)
+            self.log.say(f"{verified}/{total} checkpoint entries verified")
+        mem = self.memory.record("load")
+        self.log.event("load_done", seconds=round(time.time() - t0, 2), checkpoint_entries=report.entries,
+                       prefix_changes=report.prefix_changes, tied=report.tied, partitioned=report.partitioned,
+                       verified=verified, peak_alloc_gib=mem.alloc_gib, peak_reserved_gib=mem.reserved_gib,
+                       memory_kind=mem.kind)
+        return model
+
+    def _setup_trainable(self, model):
+        cfg = self.cfg
+        for p in model.parameters():
+            p.requires_grad_(False)
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
+        torch.manual_seed(cfg.seed)  # LoRA init: the same on every rank
+        if cfg.lora:
+            from peft import LoraConfig, get_peft_model
+
+            lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                              target_modules=cfg.lora_targets, bias="none")
+            model = get_peft_model(model, lora)
+        else:
+            for name, p in model.named_parameters():
+                if not _is_vision(name):
+                    p.requires_grad_(True)
+        for name, p in model.named_parameters():
+            if (cfg.unfreeze_merger and _is_merger(name)) or (cfg.unfreeze_vision and _is_vision(name) and not _is_merger(name)):
+                p.requires_grad_(True)
+        torch.manual_seed(cfg.seed + 1000 + self.rank)  # dropout: per rank
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        n_train = sum(getattr(p, "ds_numel", p.numel()) for _, p in trainable)
+        n_all = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+        self.log.event("trainable", tensors=len(trainable), parameters=n_train, total_parameters=n_all,
+                       finetune=cfg.finetune)
+        self.log.say(f"trainable: {len(trainable)} tensors, {n_train:,} of {n_all:,} parameters ({cfg.finetune})")
+        if not trainable:
+            raise ConfigError(f"nothing to train: --lora-targets {cfg.lora_targets!r} matched no module")
+        return model
+
+    def _setup_engine(self):
+        import deepspeed
+
+        cfg = self.cfg
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        scheduler = None
+        if "scheduler" not in self.ds_config:
+            warmup = warmup_steps(cfg, self.total_steps)
+            total = self.total_steps
+
+            def scheduler(optimizer):
+                return torch.optim.lr_scheduler.LambdaLR(
+                    optimizer, lambda s: lr_factor(s, warmup=warmup, total=total, min_ratio=cfg.min_lr_ratio))
+
+        optimizer = None
+        if "optimizer" not in self.ds_config:
+            optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        engine, _, _, _ = deepspeed.initialize(model=self.model, model_parameters=params, optimizer=optimizer,
+                                               lr_scheduler=scheduler, config=self.ds_config)
+        return engine
+
+    # ------------------------------------------------------------------------------------------ train
+    def train(self) -> None:
+        cfg, engine = self.cfg, self.engine
+        batches = iter(self.loader)  # created before the RNG restore: it draws its worker seed from torch's RNG
+        if self._resume_rng is not None:
+            set_rng_state(self._resume_rng)
+        lora_before = self._lora_snapshot() if (cfg.lora and self.start_step == 0 and self.steps) else None
+        epoch_last = {p.epoch: p.first_global_step + p.num_steps - 1 for p in self.plans}
+        from tqdm import tqdm
+
+        bar = tqdm(total=self.total_steps, initial=self.start_step, disable=self.rank != 0, desc="train",
+                   unit="step", dynamic_ncols=True)
+        self.log.bar = bar if self.rank == 0 else None
+        engine.train()
+        for global_step, epoch, _, accum in self.steps:
+            t0 = time.time()
+            losses, metas = [], []
+            step_mem: dict[str, dict] = {}
+            lr = engine.optimizer.param_groups[0]["lr"]
+            for planned in accum:
+                self.phase = "data"
+                tensors, meta = next(batches)
+                if meta.sample_ids != planned.sample_ids:  # the loader must follow the plan, or the ledger lies
+                    raise RuntimeError(f"loader yielded {meta.sample_ids}, plan says {planned.sample_ids}")
+                self.current_meta = meta
+                metas.append(meta)
+                tensors = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
+
+                self.phase = "first_forward" if global_step == self.start_step and not losses else "forward"
+                maybe_fail(self.phase, global_step, self.rank)
+                loss = self.forward_loss(tensors)
+                step_mem[self.phase] = _mem_json(self.memory.record(self.phase, global_step))
+
+                self.phase = "backward"
+                maybe_fail(self.phase, global_step, self.rank)
+                engine.backward(loss)
+                step_mem[self.phase] = _mem_json(self.memory.record(self.phase, global_step))
+
+                self.phase = "optimizer_step"
+                maybe_fail(self.phase, global_step, self.rank)
+                engine.step()  # DeepSpeed steps the optimizer (and clips) only at the accumulation boundary
+                step_mem[self.phase] = _mem_json(self.memory.record(self.phase, global_step))
+                losses.append(loss.detach().float().item())
+            self.global_step = global_step + 1
+            self.current_meta = None
+            append_ledger(self.run_dir, global_step, self.rank, accum)
+            seconds = time.time() - t0
+            tokens = sum(sum(m.input_tokens) for m in metas)
+            grad_norm = engine.get_global_grad_norm()
+            rec = self.log.step(
+                step=global_step, epoch=epoch, sample_ids=[s for m in metas for s in m.sample_ids],
+                repeat=[r for m in metas for r in m.repeat], input_tokens=tokens,
+                visual_tokens=sum(sum(m.visual_tokens) for m in metas),
+                supervised_tokens=sum(sum(m.supervised_tokens) for m in metas),
+                loss=sum(losses) / len(losses), lr=lr,
+                grad_norm=float(grad_norm) if grad_norm is not None else None,
+                tokens_per_s=round(tokens / seconds, 1), seconds=round(seconds, 4),
+                peak_alloc_gib=max(v["alloc_gib"] for v in step_mem.values()),
+                peak_reserved_gib=max(v["reserved_gib"] for v in step_mem.values()),
+                memory_kind=next(iter(step_mem.values()))["kind"], phase_memory=step_mem, phase="train")
+            self._last_losses.append(rec["loss"])
+            bar.update(1)
+            if self.rank == 0 and (global_step % cfg.log_every == 0 or global_step + 1 == self.total_steps):
+                self.log.say(json.dumps({k: rec[k] for k in rec if k not in ("event", "time", "phase_memory")}))
+            if lora_before is not None:
+                self._lora_sanity(lora_before)
+                lora_before = None
+            if cfg.save_every and self.global_step % cfg.save_every == 0 and self.global_step < self.total_steps:
+                self.save_checkpoint()
+            if global_step == epoch_last[epoch]:
+                self._check_epoch(epoch)
+        bar.close()
+        self.log.bar = None
+
+    def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean cross-entropy over supervised tokens.
+
+        Position p predicts token p+1, so only columns whose next label is supervised need logits; the
+        model computes them there alone (`logits_to_keep` as an index tensor), which avoids the
+        full-sequence fp32 logits that are the first thing to run out of memory on long videos.
+        Seam for later: the frozen vision tower could run under no_grad here and be passed in through
+        the model's `mm_encoder_outputs`.
+        """
+        labels = batch.pop("labels")
+        if self.cfg.full_logits:
+            return self.engine(**batch, labels=labels).loss
+        next_labels = labels[:, 1:]
+        keep = (next_labels != IGNORE_INDEX).any(dim=0).nonzero().squeeze(1)
+        out = self.engine(**batch, logits_to_keep=keep)
+        logits = out.logits.float()
+        target = next_labels[:, keep]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX)
+
+    def _lora_snapshot(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in trainable_state(self.engine.module).items() if "lora_" in k}
+
+    def _lora_sanity(self, before: dict[str, torch.Tensor]) -> None:
+        """After step 1 every lora_B must have moved. lora_A gets zero gradient at step 1 (B starts at zero),
+        so an unchanged lora_A is expected and reported as such."""
+        after = {k: v for k, v in trainable_state(self.engine.module).items() if "lora_" in k}
+        b_keys = [k for k in before if "lora_B" in k]
+        a_keys = [k for k in before if "lora_A" in k]
+        b_same = [k for k in b_keys if torch.equal(before[k], after[k])]
+        a_same = [k for k in a_keys if torch.equal(before[k], after[k])]
+        self.log.event("lora_sanity", lora_B=len(b_keys), lora_B_unchanged=b_same, lora_A=len(a_keys),
+                       lora_A_unchanged=len(a_same))
+        self.log.say(f"LoRA sanity after step 1: {len(b_keys) - len(b_same)}/{len(b_keys)} lora_B changed; "
+                     f"{len(a_same)}/{len(a_keys)} lora_A unchanged (expected: lora_A has zero gradient at step 1)")
+        if b_same:
+            raise RuntimeError(f"LoRA sanity: {len(b_same)} lora_B tensors did not change after step 1 "
+                               f"(no gradient reaches them): {', '.join(b_same[:10])}")
+
+    def _check_epoch(self, epoch: int) -> None:
+        torch.distributed.barrier()  # every rank's ledger line for the last step is written
+        if self.rank == 0:
+            plan = next(p for p in self.plans if p.epoch == epoch)
+            report = check_ledger(self.run_dir, [plan])
+            self.log.event("ledger", epoch=epoch, ok=report.ok, message=report.message())
+            self.log.say(f"coverage ledger: {report.message()}")
+            report.raise_if_failed()
+
+    # ------------------------------------------------------------------------------------------ save
+    def save_checkpoint(self) -> None:
+        self.phase = "save"
+        path = save_checkpoint(self.engine, self.run_dir, global_step=self.global_step, plan_sha256=self.plan_sha256,
+                               rank=self.rank, world_size=self.world_size)
+        mem = self.memory.record("save", self.global_step)
+        self.log.event("checkpoint", global_step=self.global_step, path=str(path), peak_alloc_gib=mem.alloc_gib,
+                       peak_reserved_gib=mem.reserved_gib)
+        self.log.say(f"checkpoint saved: {path}")
+
+    def save_final(self) -> Path:
+        self.phase = "save"
+        maybe_fail("save", self.global_step, self.rank)
+        if self.cfg.lora:
+            out = save_adapter(self.engine.module, self.run_dir, rank=self.rank, tokenizer=self.tokenizer)
+        else:
+            out = save_full(self.engine, self.engine.module, self.run_dir, rank=self.rank, tokenizer=self.tokenizer,
+                            dtype=self.dtype)
+        torch.distributed.barrier()
+        mem = self.memory.record("save", self.global_step)
+        self.log.event("saved", path=str(out), finetune=self.cfg.finetune, peak_alloc_gib=mem.alloc_gib,
+                       peak_reserved_gib=mem.reserved_gib)
+        self.log.say(f"saved {self.cfg.finetune} weights: {out}")
+        return out
+
+    def summarize(self, saved: Path) -> None:
+        rows: list = [None] * self.world_size
+        torch.distributed.all_gather_object(rows, self.memory.table_rows())
+        if self.rank == 0:
+            table = summary_table(rows)
+            self.log.say(table)
+            update_run_record(self.run_dir / "run.json", status="completed", steps_completed=self.global_step,
+                              final_losses_rank0=self._last_losses[-5:], saved=str(saved),
+                              memory={f"rank{r}": v for r, v in enumerate(rows)})
+        self.log.event("done", global_step=self.global_step)
+
+    def report_oom(self, err: BaseException) -> None:
+        """Phase, the micro-batch (ids, grids, tokens) and every rank's last memory numbers."""
+        meta = self.current_meta
+        samples = []
+        if meta is not None:
+            for i, sid in enumerate(meta.sample_ids):
+                samples.append({"sample_id": sid, "grid_thw": list(meta.grid_thw[i]),
+                                "input_tokens": meta.input_tokens[i], "visual_tokens": meta.visual_tokens[i],
+                                "supervised_tokens": meta.supervised_tokens[i]})
+        self.memory.record(self.phase, self.global_step)
+        report = {"error": "out_of_memory", "message": str(err), "rank": self.rank, "phase": self.phase,
+                  "global_step": self.global_step, "samples": samples, "ranks_memory": all_ranks_memory(self.run_dir)}
+        write_json(self.run_dir / f"oom_rank{self.rank}.json", report)
+        self.log.event("oom", **{k: v for k, v in report.items() if k != "rank"})
+        lines = [f"[rank {self.rank}] OUT OF MEMORY in phase {self.phase} at global step {self.global_step}: {err}"]
+        lines += [f"  sample {s['sample_id']}: grid {s['grid_thw']}, {s['input_tokens']} input tokens "
+                  f"({s['visual_tokens']} visual, {s['supervised_tokens']} supervised)" for s in samples]
+        for m in report["ranks_memory"]:
+            if "rank" in m:
+                lines.append(f"  rank {m['rank']}: last phase {m['phase']} (step {m['step']}): "
+                             f"{m['alloc_gib']:.2f} / {m['reserved_gib']:.2f} GiB ({m['kind']})")
+        lines.append(f"  report: {self.run_dir / f'oom_rank{self.rank}.json'}")
+        print("\n".join(lines), file=sys.stderr, flush=True)
+
+    def cleanup(self) -> None:
+        if getattr(self, "log", None) is not None:
+            self.log.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _is_vision(name: str) -> bool:
+    return ".visual." in f".{name}"
+
+
+def _is_merger(name: str) -> bool:
+    return _is_vision(name) and (".merger." in name or "deepstack_merger_list" in name)
+
+
+def _mem_json(stat) -> dict:
+    return {"alloc_gib": round(stat.alloc_gib, 3), "reserved_gib": round(stat.reserved_gib, 3), "kind": stat.kind}
+
+
+def run(cfg: TrainConfig) -> int:
+    recipe = Recipe(cfg)
+    try:
+        try:
+            recipe.setup()
+            if recipe.rank == 0:
+                recipe.log.say(f"training {recipe.total_steps - recipe.start_step} steps "
+                               f"(global steps {recipe.start_step}..{recipe.total_steps - 1}) on {recipe.world_size} rank(s)")
+            recipe.train()
+            saved = recipe.save_final()
+            recipe.summarize(saved)
+        except torch.OutOfMemoryError as e:
+            recipe.report_oom(e)
+            _mark_failed(recipe, "out_of_memory", str(e))
+            return EXIT_OOM
+        except USER_ERRORS as e:
+            if getattr(recipe, "log", None) is not None:
+                recipe.log.event("error", kind=type(e).__name__, phase=recipe.phase, message=str(e))
+            if recipe.rank == 0 or not isinstance(e, (ConfigError, PlanError)):
+                print(f"error ({type(e).__name__}, rank {recipe.rank}, phase {recipe.phase}): {e}", file=sys.stderr,
+                      flush=True)
+            _mark_failed(recipe, type(e).__name__, str(e))
+            return EXIT_USAGE
+    finally:
+        recipe.cleanup()
+    return 0
+
+
+def _mark_failed(recipe: Recipe, kind: str, message: str) -> None:
+    path = recipe.run_dir / "run.json"
+    if recipe.rank == 0 and path.exists():
+        update_run_record(path, status="failed", error={"kind": kind, "phase": recipe.phase, "message": message})
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = parse_config(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

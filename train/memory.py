@@ -1,0 +1,127 @@
+"""Per-phase memory: one helper that returns GiB and resets the peaks, a per-rank phase table, OOM reports.
+
+On CUDA the numbers are `max_memory_allocated` / `max_memory_reserved` since the last reset. On CPU there
+is no allocator to ask, so the process RSS stands in (labelled `cpu_rss`): `alloc` is the RSS now and
+`reserved` the peak RSS of the process so far (the OS peak cannot be reset).
+
+Every rank writes its latest numbers to RUN/memory/rank{r}.json after each phase. An OOM report reads
+those files instead of running a collective, because the other ranks may be stuck in one already.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+GIB = 2**30
+PHASES = ("load", "first_forward", "forward", "backward", "optimizer_step", "save")
+FAIL_ENV = "VIDEO_ORA_FAIL_AT"  # debug hook: "phase:step[:rank]" raises a simulated OOM there
+
+
+@dataclasses.dataclass(frozen=True)
+class MemStat:
+    alloc_gib: float  # CUDA: peak allocated since the last reset; CPU: RSS now
+    reserved_gib: float  # CUDA: peak reserved since the last reset; CPU: peak RSS of the process
+    kind: str  # "cuda" or "cpu_rss"
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def peak_memory(reset: bool = True) -> MemStat:
+    """Peak memory of this process in GiB since the last call (CUDA), or the RSS stand-in (CPU)."""
+    if _cuda():
+        stat = MemStat(torch.cuda.max_memory_allocated() / GIB, torch.cuda.max_memory_reserved() / GIB, "cuda")
+        if reset:
+            torch.cuda.reset_peak_memory_stats()
+        return stat
+    import psutil
+
+    rss = psutil.Process().memory_info().rss / GIB
+    # ru_maxrss is KiB on Linux, bytes on macOS
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024) / GIB
+    return MemStat(rss, max(peak, rss), "cpu_rss")
+
+
+def device_info() -> list[dict]:
+    """The accelerators this process sees, with their memory (empty on CPU)."""
+    if not torch.cuda.is_available():
+        return []
+    out = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        out.append({"index": i, "name": p.name, "total_gib": round(p.total_memory / GIB, 2)})
+    return out
+
+
+class PhaseMemory:
+    """Max peak per phase for this rank; mirrored to RUN/memory/rank{r}.json for OOM reports."""
+
+    def __init__(self, run_dir: Path, rank: int):
+        self.path = Path(run_dir) / "memory" / f"rank{rank}.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self.phases: dict[str, MemStat] = {}
+        self.last: dict = {}
+
+    def record(self, phase: str, step: int | None = None) -> MemStat:
+        stat = peak_memory(reset=True)
+        old = self.phases.get(phase)
+        if old is None or stat.alloc_gib > old.alloc_gib or stat.reserved_gib > old.reserved_gib:
+            self.phases[phase] = MemStat(max(stat.alloc_gib, old.alloc_gib if old else 0),
+                                         max(stat.reserved_gib, old.reserved_gib if old else 0), stat.kind)
+        self.last = {"rank": self.rank, "phase": phase, "step": step, **_round(dataclasses.asdict(stat)),
+                     "phases": {k: _round(dataclasses.asdict(v)) for k, v in self.phases.items()}}
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.last))
+        tmp.replace(self.path)
+        return stat
+
+    def table_rows(self) -> dict:
+        return {k: _round(dataclasses.asdict(v)) for k, v in self.phases.items()}
+
+
+def _round(d: dict) -> dict:
+    return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in d.items()}
+
+
+def summary_table(per_rank: list[dict]) -> str:
+    """Human table: one row per (rank, phase) with peak alloc / reserved GiB."""
+    kind = next((v["kind"] for rows in per_rank for v in rows.values()), "cuda")
+    head = "peak alloc / reserved GiB" if kind == "cuda" else "CPU stand-in: RSS at phase end / peak RSS GiB"
+    lines = [f"memory per rank and phase ({head})", f"{'rank':>4}  " + "  ".join(f"{p:>16}" for p in PHASES)]
+    for r, rows in enumerate(per_rank):
+        cells = []
+        for p in PHASES:
+            v = rows.get(p)
+            cells.append(f"{v['alloc_gib']:>7.2f}/{v['reserved_gib']:<8.2f}" if v else f"{'-':>16}")
+        lines.append(f"{r:>4}  " + "  ".join(cells))
+    return "\n".join(lines)
+
+
+def all_ranks_memory(run_dir: Path) -> list[dict]:
+    """The last memory record each rank wrote (for an OOM report; no collective)."""
+    out = []
+    for path in sorted((Path(run_dir) / "memory").glob("rank*.json")):
+        try:
+            out.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError) as e:  # a rank may be mid-write; say so instead of failing the report
+            out.append({"file": str(path), "unreadable": str(e)})
+    return out
+
+
+def maybe_fail(phase: str, step: int, rank: int) -> None:
+    """Debug hook: VIDEO_ORA_FAIL_AT=phase:step[:rank] raises a simulated torch.OutOfMemoryError there."""
+    spec = os.environ.get(FAIL_ENV)
+    if not spec:
+        return
+    parts = spec.split(":")
+    if parts[0] != phase or int(parts[1]) != step or (len(parts) > 2 and int(parts[2]) != rank):
+        return
+    raise torch.OutOfMemoryError(f"simulated out of memory ({FAIL_ENV}={spec})")
