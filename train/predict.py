@@ -1,0 +1,315 @@
+"""Generate answers for every window of a build: `python -m train.predict --model DIR --shards SHARDS --out preds.jsonl`.
+
+The prompt is the training sample itself: the shard's input_ids up to prompt_tokens (chat template, the
+`<t seconds>` video blocks, the query, the assistant turn opener) and the shard's frames, patchified by
+train.data exactly as the trainer does. Nothing is re-rendered, so train/inference skew is impossible.
+
+Greedy decoding by default, batched with left padding. Several GPUs: `torchrun --nproc_per_node N -m
+train.predict ...`; the manifest is split into contiguous rank slices, each rank writes its part, rank 0
+merges the parts in manifest order (a missing or duplicated sample is an error).
+
+Each output is parsed by train.answer_parse (status valid|repaired|failed, degenerate flags) and mapped
+to source time; rows follow schemas.predictions.PredictionRow.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from schemas.manifest import SampleRecord, read_records
+from schemas.predictions import PredictionRow, read_predictions, write_predictions
+from train.answer_parse import parse_output
+from train.data import MANIFEST, LoadedSample, SampleStore, VisionSpec, collate, preflight
+from train.segments import to_source
+
+ADAPTER_DIR = "adapter"  # train.checkpoint.ADAPTER_DIR
+NON_LORA = "non_lora_trainables.safetensors"  # train.checkpoint.NON_LORA
+END_TOKENS = ("<|im_end|>", "<|endoftext|>")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PredictConfig:
+    """What to predict with and on; validated at construction, every problem in one error."""
+
+    model: Path  # save_pretrained directory (base model, or a full fine-tune's RUN/model)
+    shards: Path  # build directory (manifest.parquet + tars)
+    out: Path  # preds.jsonl
+    adapter: Path | None = None  # training RUN dir (its adapter/ is loaded) or an adapter directory
+    batch_size: int = 4  # windows per generate call
+    max_new_tokens: int = 64  # an answer of 5 segments is ~60 tokens with the Qwen tokenizer
+    device: str | None = None  # None: cuda:<local rank> when CUDA is available, else cpu
+    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32
+    limit: int | None = None  # predict only the first N manifest samples (debugging)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not (Path(self.model) / "config.json").is_file():
+            problems.append(f"--model {self.model} has no config.json (need a save_pretrained directory)")
+        if not (Path(self.shards) / MANIFEST).is_file():
+            problems.append(f"--shards {self.shards} has no {MANIFEST} (need the output of `python -m prep build`)")
+        if self.adapter is not None:
+            try:
+                resolve_adapter(self.adapter)
+            except FileNotFoundError as e:
+                problems.append(str(e))
+        if self.batch_size < 1:
+            problems.append(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.max_new_tokens < 1:
+            problems.append(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.dtype not in DTYPES:
+            problems.append(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.limit is not None and self.limit < 1:
+            problems.append(f"--limit must be >= 1, got {self.limit}")
+        if problems:
+            raise ValueError("cannot predict:\n  " + "\n  ".join(problems))
+
+
+DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def resolve_adapter(path: str | Path) -> Path:
+    """The PEFT adapter directory of a training RUN (RUN/adapter) or the directory itself."""
+    path = Path(path)
+    for cand in (path, path / ADAPTER_DIR):
+        if (cand / "adapter_config.json").is_file():
+            return cand
+    hint = f"; {path / 'model'} holds a full fine-tune: pass it as --model" if (path / "model" / "config.json").is_file() else ""
+    raise FileNotFoundError(f"--adapter {path}: no adapter_config.json in it or in {path / ADAPTER_DIR}{hint}")
+
+
+# ---------------------------------------------------------------- loading
+
+def load_tokenizer_for(model_dir: Path, shards: Path):
+    """The tokenizer that made the shards' ids: the model's own if it ships one, else the build's.
+
+    Its special-token ids must equal those build.json recorded, or the decoded text would be wrong.
+    """
+    from prep.tokens import load_tokenizer, special_id
+
+    build = json.loads((shards / "build.json").read_text()) if (shards / "build.json").is_file() else {}
+    recorded = build.get("tokenizer", {})
+    if (model_dir / "tokenizer.json").is_file():
+        tok = load_tokenizer(str(model_dir))
+    elif recorded.get("path") and Path(recorded["path"]).is_dir() and not recorded.get("bundled"):
+        tok = load_tokenizer(recorded["path"])
+    else:
+        tok = load_tokenizer(None)
+    for name, want in recorded.get("special_token_ids", {}).items():
+        got = special_id(tok, name)
+        if got != want:
+            raise ValueError(f"tokenizer has {name}={got}, the build used {want}: the shards were tokenized with "
+                             "another tokenizer than the model's")
+    return tok
+
+
+def load_model(model_dir: Path, adapter: Path | None, device: torch.device, dtype: torch.dtype):
+    """Base model (+ trainable non-LoRA tensors + LoRA adapter), in eval mode on device."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=dtype)
+    if adapter is not None:
+        from peft import PeftModel
+
+        adapter = resolve_adapter(adapter)
+        extra = adapter / NON_LORA
+        if extra.is_file():  # --unfreeze-vision / --unfreeze-merger tensors saved beside the adapter
+            from safetensors.torch import load_file
+
+            state = load_file(str(extra))
+            result = model.load_state_dict(state, strict=False)
+            if result.unexpected_keys:
+                raise ValueError(f"{extra}: {len(result.unexpected_keys)} tensors match no model parameter "
+                                 f"(first: {result.unexpected_keys[:3]})")
+        model = PeftModel.from_pretrained(model, str(adapter))
+    return model.to(device).eval()
+
+
+# ---------------------------------------------------------------- batching
+
+def prompt_only(sample: LoadedSample) -> LoadedSample:
+    """The sample cut at prompt_tokens: exactly what the model saw before the answer during training."""
+    return dataclasses.replace(sample, input_ids=sample.input_ids[: sample.prompt_tokens])
+
+
+def left_pad(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Turn collate's right padding into left padding (generation appends on the right)."""
+    mask = tensors["attention_mask"]
+    lengths = mask.sum(dim=1)
+    out = dict(tensors)
+    for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
+        t = tensors[key].clone()
+        for i, n in enumerate(lengths.tolist()):
+            t[i] = torch.roll(tensors[key][i], shifts=int(mask.shape[1] - n))
+        out[key] = t
+    out.pop("labels", None)
+    return out
+
+
+def source_fps(record: SampleRecord) -> float | None:
+    """Frame rate implied by the record (frame_times_s = frame_index / fps in prep)."""
+    idx, t = record.frame_indices, record.frame_times_s
+    if len(idx) < 2 or t[-1] <= t[0]:
+        return None
+    return round((idx[-1] - idx[0]) / (t[-1] - t[0]), 4)
+
+
+def cut_at_end(ids: list[int], end_ids: set[int]) -> tuple[list[int], bool, int]:
+    """(answer ids before the first end token, whether one was produced, tokens generated incl. the end)."""
+    for i, tok in enumerate(ids):
+        if tok in end_ids:
+            return ids[:i], True, i + 1
+    return ids, False, len(ids)
+
+
+def make_row(record: SampleRecord, text: str, finished: bool, generated: int) -> PredictionRow:
+    window_s = record.window_end_s - record.window_start_s
+    parsed = parse_output(text, window_s, finished=finished)
+    return PredictionRow(
+        sample_id=record.sample_id, video_id=record.video_id, source_path=record.source_path,
+        window_index=record.window_index, window_start_s=record.window_start_s, window_end_s=record.window_end_s,
+        raw_output=text, status=parsed.status, degenerate=parsed.degenerate, repairs=parsed.repairs,
+        segments=parsed.segments, segments_source=to_source(parsed.segments, record.window_start_s),
+        source_fps=source_fps(record), generated_tokens=generated,
+    )
+
+
+@torch.no_grad()
+def generate_rows(model, tokenizer, store: SampleStore, sample_ids: list[str], *, batch_size: int,
+                  max_new_tokens: int, device: torch.device, log=print) -> dict[str, PredictionRow]:
+    """Rows for sample_ids, generated in batches of similar prompt length."""
+    from prep.tokens import special_id
+
+    spec = VisionSpec.from_model_config(model.config)
+    video_token_id = special_id(tokenizer, "<|video_pad|>")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else special_id(tokenizer, "<|endoftext|>")
+    end_ids = [special_id(tokenizer, t) for t in END_TOKENS]
+    vocab = model.get_input_embeddings().weight.shape[0]
+    dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+    order = sorted(sample_ids, key=lambda s: store.record(s).input_tokens - store.record(s).supervised_tokens)
+    rows: dict[str, PredictionRow] = {}
+    t0 = time.time()
+    for b in range(0, len(order), batch_size):
+        samples = [store.get(sid) for sid in order[b: b + batch_size]]
+        for s in samples:
+            preflight(s, spec=spec, video_token_id=video_token_id)
+            if max(s.input_ids) >= vocab:
+                raise ValueError(f"sample {s.record.sample_id}: token id {max(s.input_ids)} >= model vocabulary {vocab}")
+        tensors, _ = collate([prompt_only(s) for s in samples], spec, video_token_id=video_token_id, pad_token_id=pad_id)
+        tensors = left_pad(tensors)
+        tensors["pixel_values_videos"] = tensors["pixel_values_videos"].to(dtype)
+        tensors = {k: v.to(device) for k, v in tensors.items()}
+        out = model.generate(**tensors, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=end_ids,
+                             pad_token_id=pad_id)
+        new = out[:, tensors["input_ids"].shape[1]:].tolist()
+        for s, ids in zip(samples, new):
+            answer, finished, n = cut_at_end(ids, set(end_ids))
+            text = tokenizer.decode(answer, skip_special_tokens=False)
+            rows[s.record.sample_id] = make_row(s.record, text, finished, n)
+        log(json.dumps({"phase": "predict", "done": len(rows), "of": len(order), "seconds": round(time.time() - t0, 2)}))
+    return rows
+
+
+# ---------------------------------------------------------------- ranks
+
+def rank_slice(n: int, rank: int, world: int) -> tuple[int, int]:
+    """Contiguous [start, end) of n manifest rows for this rank (sizes differ by at most one)."""
+    return rank * n // world, (rank + 1) * n // world
+
+
+def part_path(out: Path, rank: int, world: int) -> Path:
+    return out.with_name(f"{out.name}.part-{rank:05d}-of-{world:05d}")
+
+
+def merge_parts(out: Path, world: int, sample_ids: list[str]) -> int:
+    """Rank 0: join every rank's part in manifest order, check coverage, remove the parts."""
+    rows: dict[str, PredictionRow] = {}
+    for r in range(world):
+        for row in read_predictions(part_path(out, r, world)):
+            if row.sample_id in rows:
+                raise RuntimeError(f"sample {row.sample_id} predicted by two ranks")
+            rows[row.sample_id] = row
+    missing = [s for s in sample_ids if s not in rows]
+    if missing or len(rows) != len(sample_ids):
+        raise RuntimeError(f"{len(missing)} samples have no prediction after merging (first: {missing[:3]})")
+    n = write_predictions(out, (rows[s] for s in sample_ids))
+    for r in range(world):
+        part_path(out, r, world).unlink()
+    return n
+
+
+def predict(cfg: PredictConfig, log=print) -> dict:
+    """Run prediction on this rank (and merge on rank 0); returns a small summary."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if world > 1 and not torch.distributed.is_initialized():
+        # gloo only serves the barrier before the merge; generation may take hours on slow ranks
+        torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(hours=12))
+    if cfg.device:
+        device = torch.device(cfg.device)
+    else:
+        device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    dtype = DTYPES[cfg.dtype] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+    records = read_records(cfg.shards / MANIFEST, SampleRecord)
+    if cfg.limit:
+        records = records[: cfg.limit]
+    all_ids = [r.sample_id for r in records]
+    start, end = rank_slice(len(records), rank, world)
+    mine = all_ids[start:end]
+    store = SampleStore(cfg.shards, records)
+    store.index_for(mine)
+
+    tokenizer = load_tokenizer_for(Path(cfg.model), Path(cfg.shards))
+    model = load_model(Path(cfg.model), cfg.adapter, device, dtype)
+    t0 = time.time()
+    rows = generate_rows(model, tokenizer, store, mine, batch_size=cfg.batch_size,
+                         max_new_tokens=cfg.max_new_tokens, device=device, log=log if rank == 0 else (lambda _: None))
+    seconds = time.time() - t0
+    ordered = [rows[s] for s in mine]
+    if world == 1:
+        write_predictions(cfg.out, ordered)
+    else:
+        write_predictions(part_path(cfg.out, rank, world), ordered)
+        torch.distributed.barrier()
+        if rank == 0:
+            merge_parts(cfg.out, world, all_ids)
+        torch.distributed.barrier()
+    summary = {"rank": rank, "world_size": world, "windows": len(mine), "seconds": round(seconds, 2),
+               "status": {k: sum(r.status == k for r in ordered) for k in ("valid", "repaired", "failed")},
+               "degenerate": sum(bool(r.degenerate) for r in ordered), "out": str(cfg.out)}
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m train.predict", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, required=True, help="save_pretrained model directory")
+    ap.add_argument("--adapter", type=Path, help="training RUN dir (loads RUN/adapter) or a PEFT adapter dir")
+    ap.add_argument("--shards", type=Path, required=True, help="build directory of `python -m prep build`")
+    ap.add_argument("--out", type=Path, required=True, help="preds.jsonl to write")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--device", help="cpu, cuda, cuda:1 (default: this rank's GPU, else cpu)")
+    ap.add_argument("--dtype", default="auto", choices=sorted(DTYPES))
+    ap.add_argument("--limit", type=int, help="only the first N manifest samples")
+    args = ap.parse_args(argv)
+    cfg = PredictConfig(model=args.model, adapter=args.adapter, shards=args.shards, out=args.out,
+                        batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, device=args.device,
+                        dtype=args.dtype, limit=args.limit)
+    summary = predict(cfg)
+    print(json.dumps(summary))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
