@@ -1,0 +1,448 @@
+"""`python -m prep verify SHARDS`: recheck a build from its files, independently of the code that wrote it.
+
+Checks, each problem naming its shard and sample:
+  shards    every tar of build.json exists and has the recorded sha256 and size; no unlisted tars
+  members   every manifest row has `<key>.json` and exactly num_frames JPEGs of (width, height) in its tar,
+            the JSON record equals the manifest row, no tar member belongs to no row
+  record    the row agrees with itself: frames vs grid_t, size vs grid, visual tokens vs grid, token sums,
+            video pad count and supervised span in input_ids
+  tokens    input_ids equal a fresh tokenize_sample() with the build's tokenizer
+  budget    frame indices, times, size and grid equal prep.budget.plan_frames() for the source as probed
+            now (the manifest keeps no source fps/size: the source video is re-probed with prep.probe)
+  redecode  for a seeded random subset, the stored JPEGs match the source frames decoded by plain decord
+            and resized like the build (mean absolute difference under a JPEG-noise threshold)
+Problems are data (listed, exit 1); a bug in this module crashes.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+import math
+import random
+import sys
+import tarfile
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from prep.budget import SPATIAL_MERGE, FramePlan, VideoBudget, group_times, plan_frames
+from schemas.manifest import RejectRecord, SampleRecord, read_records
+from schemas.shard import JSON_EXT, ShardSample, frame_ext
+
+# Mean absolute difference (0-255 levels) between a stored JPEG and the source frame resized the same way.
+# JPEG at quality 95 leaves ~1 level on natural frames and ~3.4 at worst on the synthetic test videos'
+# random textures; the neighbouring source frame there (a wrong index) gives 12-22 on most frames. Builds
+# with a low --jpeg-quality need a higher threshold (--max-diff).
+DEFAULT_MAX_DIFF = 6.0
+TIME_TOL = 1e-6
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Problem:
+    """One thing wrong with a build."""
+
+    check: str  # shards, members, record, tokens, budget, source, redecode, build
+    shard: str  # tar name ("" when not about one shard)
+    sample_id: str  # sample ("" when about a whole shard or the build)
+    detail: str  # sentence with the numbers involved
+
+    def __str__(self) -> str:
+        where = " ".join(x for x in (self.shard, self.sample_id) if x) or "build"
+        return f"[{self.check}] {where}: {self.detail}"
+
+
+@dataclasses.dataclass(kw_only=True)
+class VerifyReport:
+    """What verify looked at and what it found; ok means no problem."""
+
+    shards: int = 0  # tars checked
+    samples: int = 0  # manifest rows
+    frames: int = 0  # JPEG members checked for size
+    budget_checked: int = 0  # rows whose plan was recomputed from a fresh probe
+    tokens_checked: int = 0  # rows re-tokenized
+    redecoded: list[str] = dataclasses.field(default_factory=list)  # sample ids compared with the source
+    max_redecode_diff: float = 0.0  # largest per-frame mean abs difference seen
+    skipped: list[str] = dataclasses.field(default_factory=list)  # checks not run, and why
+    problems: list[Problem] = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["problems"] = [str(p) for p in self.problems]
+        d["ok"] = self.ok
+        return d
+
+
+# ----------------------------------------------------------------------------------------------- checks
+
+
+def _shard_files(root: Path, build: dict, report: VerifyReport) -> set[str]:
+    """sha256/size of every listed tar; returns the names of the tars that are intact."""
+    from prep.shards import sha256_file
+
+    listed = {s["name"]: s for s in build.get("shard_files", [])}
+    intact = set()
+    for name, entry in sorted(listed.items()):
+        path = root / name
+        if not path.is_file():
+            report.problems.append(Problem(check="shards", shard=name, sample_id="", detail=f"{path} is missing"))
+            continue
+        report.shards += 1
+        size, sha = path.stat().st_size, sha256_file(path)
+        if size != entry["bytes"] or sha != entry["sha256"]:
+            report.problems.append(Problem(
+                check="shards", shard=name, sample_id="",
+                detail=f"content changed since the build: sha256 {sha[:16]}... ({size} bytes), build.json "
+                       f"recorded {entry['sha256'][:16]}... ({entry['bytes']} bytes)"))
+        else:
+            intact.add(name)
+    for path in sorted(root.glob("shard-*.tar")):
+        if path.name not in listed:
+            report.problems.append(Problem(check="shards", shard=path.name, sample_id="",
+                                           detail="tar is not listed in build.json (left from another build?)"))
+    return intact
+
+
+def _read_tar(path: Path) -> dict[str, dict[str, bytes]]:
+    """key -> {extension: bytes} for every file member (a whole-shard read: verify looks at every byte)."""
+    out: dict[str, dict[str, bytes]] = defaultdict(dict)
+    with tarfile.open(path, "r:") as tar:
+        for info in tar:
+            if info.isfile():
+                key, _, ext = info.name.partition(".")
+                out[key][ext] = tar.extractfile(info).read()
+    return out
+
+
+def _check_members(rec: SampleRecord, members: dict[str, bytes], report: VerifyReport) -> ShardSample | None:
+    """The sample's JSON and frames in its tar; returns the parsed JSON when it is readable."""
+    problems = []
+
+    def bad(detail: str) -> None:
+        problems.append(Problem(check="members", shard=rec.shard, sample_id=rec.sample_id, detail=detail))
+
+    meta = None
+    if JSON_EXT not in members:
+        bad(f"member {rec.key}.{JSON_EXT} is missing")
+    else:
+        try:
+            meta = ShardSample.from_json(json.loads(members[JSON_EXT]))
+        except (ValueError, KeyError, TypeError) as e:
+            bad(f"{rec.key}.{JSON_EXT} is not a sample record: {e}")
+        else:
+            if meta.record != rec:
+                a, b = dataclasses.asdict(meta.record), dataclasses.asdict(rec)
+                bad(f"{rec.key}.{JSON_EXT} disagrees with the manifest on {[k for k in b if a[k] != b[k]]}")
+    expected = {frame_ext(i) for i in range(rec.num_frames)}
+    frames = {ext for ext in members if ext != JSON_EXT}
+    for ext in sorted(expected - frames):
+        bad(f"member {rec.key}.{ext} is missing (num_frames={rec.num_frames})")
+    for ext in sorted(frames - expected):
+        bad(f"unexpected member {rec.key}.{ext} (num_frames={rec.num_frames})")
+    for ext in sorted(expected & frames):
+        try:
+            with Image.open(io.BytesIO(members[ext])) as img:
+                size, fmt = img.size, img.format
+        except (OSError, ValueError) as e:
+            bad(f"{rec.key}.{ext} is not an image: {e}")
+            continue
+        report.frames += 1
+        if fmt != "JPEG" or size != (rec.width, rec.height):
+            bad(f"{rec.key}.{ext} is {fmt} {size[0]}x{size[1]}, the record says JPEG {rec.width}x{rec.height}")
+    report.problems.extend(problems)
+    return meta
+
+
+def _check_record(rec: SampleRecord, meta: ShardSample | None, budget: VideoBudget, pad_id: int | None,
+                  report: VerifyReport) -> None:
+    """The row against itself and its own input_ids."""
+    p = budget.patch_size
+    facts = [
+        (rec.num_frames == len(rec.frame_indices) == len(rec.frame_times_s),
+         f"num_frames {rec.num_frames}, {len(rec.frame_indices)} frame_indices, {len(rec.frame_times_s)} frame_times_s"),
+        (rec.num_frames == 2 * rec.grid_t and len(rec.group_times_s) == rec.grid_t,
+         f"num_frames {rec.num_frames}, grid_t {rec.grid_t}, {len(rec.group_times_s)} group_times_s"),
+        ((rec.height, rec.width) == (rec.grid_h * p, rec.grid_w * p) and rec.grid_h % SPATIAL_MERGE == 0
+         and rec.grid_w % SPATIAL_MERGE == 0,
+         f"{rec.width}x{rec.height} vs grid_h {rec.grid_h} x grid_w {rec.grid_w} at patch {p}"),
+        (rec.visual_tokens == rec.grid_t * rec.grid_h * rec.grid_w // SPATIAL_MERGE**2,
+         f"visual_tokens {rec.visual_tokens} vs grid {rec.grid_t}x{rec.grid_h}x{rec.grid_w}/4"),
+        (rec.input_tokens == rec.visual_tokens + rec.text_tokens,
+         f"input_tokens {rec.input_tokens} != visual {rec.visual_tokens} + text {rec.text_tokens}"),
+        (rec.window_start_s < rec.window_end_s and all(rec.window_start_s - TIME_TOL <= t < rec.window_end_s + TIME_TOL
+                                                       for t in rec.frame_times_s),
+         f"frame times {rec.frame_times_s[:1]}..{rec.frame_times_s[-1:]} outside the window "
+         f"{rec.window_start_s}-{rec.window_end_s}"),
+    ]
+    if meta is not None:
+        ids = meta.input_ids
+        facts.append((len(ids) == rec.input_tokens, f"{len(ids)} input_ids, input_tokens {rec.input_tokens}"))
+        facts.append((len(ids) - meta.prompt_tokens == rec.supervised_tokens,
+                      f"{len(ids)} input_ids - prompt_tokens {meta.prompt_tokens} != supervised_tokens {rec.supervised_tokens}"))
+        if pad_id is not None:
+            facts.append((ids.count(pad_id) == rec.visual_tokens,
+                          f"{ids.count(pad_id)} <|video_pad|> in input_ids, visual_tokens {rec.visual_tokens}"))
+    for holds, detail in facts:
+        if not holds:
+            report.problems.append(Problem(check="record", shard=rec.shard, sample_id=rec.sample_id, detail=detail))
+
+
+def _expected_plan(rec: SampleRecord, probe, budget: VideoBudget, max_input_tokens: int | None) -> FramePlan:
+    """The plan the build should have made; a lower frame count is legal only under --max-input-tokens."""
+    kw = dict(height=probe.height, width=probe.width, fps=probe.fps, total_frames=probe.frames,
+              start_s=rec.window_start_s, end_s=rec.window_end_s)
+    full = plan_frames(budget, **kw)
+    if max_input_tokens is not None and rec.num_frames < len(full.frame_indices):
+        return plan_frames(budget, **kw, max_frames=rec.num_frames)
+    return full
+
+
+def _check_budget(rec: SampleRecord, probe, budget: VideoBudget, max_input_tokens: int | None,
+                  report: VerifyReport) -> None:
+    def bad(detail: str) -> None:
+        report.problems.append(Problem(check="budget", shard=rec.shard, sample_id=rec.sample_id, detail=detail))
+
+    try:
+        plan = _expected_plan(rec, probe, budget, max_input_tokens)
+    except ValueError as e:
+        bad(f"prep.budget refuses this window of the source as probed now: {e}")
+        return
+    report.budget_checked += 1
+    if rec.frame_indices != plan.frame_indices:
+        bad(f"frame_indices {_short(rec.frame_indices)} != planned {_short(plan.frame_indices)} "
+            f"({probe.frames} frames at {probe.fps:.3f} fps, window {rec.window_start_s}-{rec.window_end_s} s)")
+    got = (rec.height, rec.width, rec.grid_t, rec.grid_h, rec.grid_w)
+    want = (plan.height, plan.width, plan.grid_t, plan.grid_h, plan.grid_w)
+    if got != want:
+        bad(f"(height, width, grid_t, grid_h, grid_w) {got} != planned {want} for a {probe.width}x{probe.height} source")
+    times = [i / probe.fps for i in rec.frame_indices]
+    if not _close(rec.frame_times_s, times):
+        bad(f"frame_times_s {_short(rec.frame_times_s)} != frame_indices / {probe.fps:.3f} fps {_short(times)}")
+    elif not _close(rec.group_times_s, group_times(times, rec.window_start_s)):
+        bad(f"group_times_s {_short(rec.group_times_s)} != {_short(group_times(times, rec.window_start_s))}")
+    if max_input_tokens is not None and rec.input_tokens > max_input_tokens:
+        bad(f"input_tokens {rec.input_tokens} > --max-input-tokens {max_input_tokens}")
+
+
+def _redecode(rec: SampleRecord, source: Path, members: dict[str, bytes], max_diff: float, report: VerifyReport) -> None:
+    """Plain decord (not the build's chunked decoder) + PIL bicubic, vs the stored JPEGs."""
+    import decord
+
+    try:
+        frames = decord.VideoReader(str(source), ctx=decord.cpu(0)).get_batch(rec.frame_indices).asnumpy()
+    except (decord.DECORDError, RuntimeError) as e:
+        report.problems.append(Problem(check="redecode", shard=rec.shard, sample_id=rec.sample_id,
+                                       detail=f"decord cannot decode frames {_short(rec.frame_indices)} of {source}: {e}"))
+        return
+    diffs = []
+    for i, frame in enumerate(frames):
+        img = Image.fromarray(frame)
+        if img.size != (rec.width, rec.height):
+            img = img.resize((rec.width, rec.height), Image.Resampling.BICUBIC)
+        with Image.open(io.BytesIO(members[frame_ext(i)])) as stored:
+            diffs.append(float(np.abs(np.asarray(stored.convert("RGB"), np.int16) - np.asarray(img, np.int16)).mean()))
+    report.redecoded.append(rec.sample_id)
+    report.max_redecode_diff = max(report.max_redecode_diff, *diffs)
+    worst = int(np.argmax(diffs))
+    if diffs[worst] > max_diff:
+        report.problems.append(Problem(
+            check="redecode", shard=rec.shard, sample_id=rec.sample_id,
+            detail=f"stored frame {worst} (source frame {rec.frame_indices[worst]}) differs from the source by "
+                   f"{diffs[worst]:.2f} levels on average (threshold {max_diff}); "
+                   f"{sum(d > max_diff for d in diffs)} of {len(diffs)} frames over it"))
+
+
+def _short(xs: list) -> str:
+    xs = [round(x, 3) if isinstance(x, float) else x for x in xs]
+    return str(xs) if len(xs) <= 6 else f"[{', '.join(map(str, xs[:3]))}, ..., {', '.join(map(str, xs[-2:]))}] ({len(xs)})"
+
+
+def _close(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(math.isclose(x, y, rel_tol=0, abs_tol=TIME_TOL) for x, y in zip(a, b))
+
+
+# ----------------------------------------------------------------------------------------------- driver
+
+
+def verify_shards(
+    path: str | Path,
+    *,
+    redecode: int = 4,
+    seed: int = 0,
+    videos: str | Path | None = None,
+    skip_source: bool = False,
+    max_diff: float = DEFAULT_MAX_DIFF,
+) -> VerifyReport:
+    """Run every check over the build in `path`. videos: where the sources are now (default: the build's
+    --videos); skip_source: do without them (no budget recheck, no re-decode; said in report.skipped)."""
+    root = Path(path)
+    report = VerifyReport()
+    try:
+        build = json.loads((root / "build.json").read_text())
+        records = read_records(root / "manifest.parquet", SampleRecord)
+        read_records(root / "rejects.parquet", RejectRecord)
+    except (OSError, ValueError) as e:
+        report.problems.append(Problem(check="build", shard="", sample_id="", detail=f"cannot read the build: {e}"))
+        return report
+    report.samples = len(records)
+    budget = VideoBudget(**build["budget"])
+    config = build.get("config", {})
+
+    intact = _shard_files(root, build, report)
+    listed = {s["name"]: s for s in build.get("shard_files", [])}
+    by_shard: dict[str, list[SampleRecord]] = defaultdict(list)
+    for rec in records:
+        by_shard[rec.shard].append(rec)
+    for name, entry in listed.items():
+        if len(by_shard.get(name, [])) != entry["samples"]:
+            report.problems.append(Problem(check="shards", shard=name, sample_id="",
+                                           detail=f"manifest has {len(by_shard.get(name, []))} rows for this shard, "
+                                                  f"build.json says {entry['samples']} samples"))
+
+    tokenizer, pad_id = _tokenizer(build, report)
+    readable: dict[str, tuple[SampleRecord, dict[str, bytes]]] = {}
+    for name in sorted(by_shard):
+        rows = by_shard[name]
+        if name not in listed:
+            for rec in rows:
+                report.problems.append(Problem(check="members", shard=name, sample_id=rec.sample_id,
+                                               detail="the manifest names a shard build.json does not list"))
+            continue
+        try:
+            members = _read_tar(root / name)
+        except (OSError, tarfile.TarError) as e:
+            report.problems.append(Problem(check="members", shard=name, sample_id="",
+                                           detail=f"tar cannot be read ({e}); its {len(rows)} samples are unchecked"))
+            continue
+        for key in sorted(set(members) - {r.key for r in rows}):
+            report.problems.append(Problem(check="members", shard=name, sample_id="",
+                                           detail=f"members {key}.* belong to no manifest row"))
+        for rec in rows:
+            sample = members.get(rec.key, {})
+            meta = _check_members(rec, sample, report)
+            _check_record(rec, meta, budget, pad_id, report)
+            if tokenizer is not None and meta is not None:
+                _check_tokens(rec, meta, tokenizer, report)
+            if sample and all(frame_ext(i) in sample for i in range(rec.num_frames)) and name in intact:
+                readable[rec.sample_id] = (rec, sample)
+
+    if skip_source:
+        report.skipped.append("budget recheck and re-decode: --skip-source")
+        return report
+    video_root = Path(videos) if videos is not None else Path(config.get("videos", "."))
+    probes = _probe_sources(video_root, records, report)
+    max_input_tokens = config.get("max_input_tokens")
+    for rec in records:
+        if rec.source_path in probes:
+            _check_budget(rec, probes[rec.source_path], budget, max_input_tokens, report)
+    candidates = sorted(sid for sid, (rec, _) in readable.items() if rec.source_path in probes)
+    for sid in random.Random(seed).sample(candidates, min(redecode, len(candidates))):
+        rec, sample = readable[sid]
+        _redecode(rec, video_root / rec.source_path, sample, max_diff, report)
+    return report
+
+
+def _tokenizer(build: dict, report: VerifyReport):
+    """The build's tokenizer when it is still the same file (sha256), else None with a skip note."""
+    import hashlib
+
+    from prep.tokens import BUNDLED_TOKENIZER, load_tokenizer
+
+    info = build.get("tokenizer", {})
+    path = Path(info.get("path") or BUNDLED_TOKENIZER)
+    pad_id = info.get("special_token_ids", {}).get("<|video_pad|>")
+    tj = path / "tokenizer.json"
+    if not tj.is_file():
+        report.skipped.append(f"re-tokenization: {tj} is gone")
+        return None, pad_id
+    if info.get("tokenizer_json_sha256") and hashlib.sha256(tj.read_bytes()).hexdigest() != info["tokenizer_json_sha256"]:
+        report.skipped.append(f"re-tokenization: {tj} changed since the build (sha256 differs)")
+        return None, pad_id
+    return load_tokenizer(None if info.get("bundled") else str(path)), pad_id
+
+
+def _check_tokens(rec: SampleRecord, meta: ShardSample, tokenizer, report: VerifyReport) -> None:
+    from prep.tokens import tokenize_sample
+
+    try:
+        tok = tokenize_sample(tokenizer, query=rec.query, answer=rec.answer, group_times_s=rec.group_times_s,
+                              tokens_per_group=rec.grid_h * rec.grid_w // SPATIAL_MERGE**2)
+    except ValueError as e:
+        report.problems.append(Problem(check="tokens", shard=rec.shard, sample_id=rec.sample_id, detail=str(e)))
+        return
+    report.tokens_checked += 1
+    if tok.input_ids != meta.input_ids or tok.prompt_tokens != meta.prompt_tokens:
+        first = next((i for i, (a, b) in enumerate(zip(tok.input_ids, meta.input_ids)) if a != b),
+                     min(len(tok.input_ids), len(meta.input_ids)))
+        report.problems.append(Problem(
+            check="tokens", shard=rec.shard, sample_id=rec.sample_id,
+            detail=f"stored input_ids ({len(meta.input_ids)}, prompt {meta.prompt_tokens}) differ from a fresh "
+                   f"tokenization ({len(tok.input_ids)}, prompt {tok.prompt_tokens}) from position {first}"))
+
+
+def _probe_sources(video_root: Path, records: list[SampleRecord], report: VerifyReport) -> dict:
+    from prep.probe import ProbeFailure, probe_video
+
+    probes = {}
+    for source in sorted({r.source_path for r in records}):
+        path = video_root / source
+        rows = [r for r in records if r.source_path == source]
+        got = probe_video(path) if path.is_file() else None
+        if got is None or isinstance(got, ProbeFailure):
+            why = f"{path} is missing" if got is None else f"probe fails now: {got.reason}: {got.detail}"
+            report.problems.append(Problem(
+                check="source", shard=rows[0].shard, sample_id=rows[0].sample_id,
+                detail=f"{why}; budget recheck and re-decode impossible for its {len(rows)} samples "
+                       f"(pass --videos DIR, or --skip-source)"))
+            continue
+        probes[source] = got
+    return probes
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m prep verify", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("shards", type=Path, help="output directory of `python -m prep build`")
+    ap.add_argument("--redecode", type=int, default=4, help="samples re-decoded from their source and compared")
+    ap.add_argument("--seed", type=int, default=0, help="seed choosing the re-decoded samples")
+    ap.add_argument("--videos", type=Path, default=None, help="where the source videos are now (default: the build's --videos)")
+    ap.add_argument("--skip-source", action="store_true", help="no budget recheck or re-decode (sources not available)")
+    ap.add_argument("--max-diff", type=float, default=DEFAULT_MAX_DIFF,
+                    help="re-decode threshold: mean absolute difference per frame, 0-255 levels")
+    ap.add_argument("--json", action="store_true", help="print only the JSON report")
+    return ap
+
+
+def cli(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.redecode < 0:
+        parser().error("--redecode must be >= 0")
+    report = verify_shards(args.shards, redecode=args.redecode, seed=args.seed, videos=args.videos,
+                           skip_source=args.skip_source, max_diff=args.max_diff)
+    if not args.json:
+        print(f"prep verify {args.shards}: {report.shards} shards, {report.samples} samples, {report.frames} frames, "
+              f"{report.budget_checked} budget rechecks, {report.tokens_checked} re-tokenized, "
+              f"{len(report.redecoded)} re-decoded (max mean abs diff {report.max_redecode_diff:.2f})")
+        for s in report.skipped:
+            print(f"  skipped: {s}")
+        for p in report.problems:
+            print(f"  {p}")
+        print(f"prep verify: {'OK' if report.ok else f'FAILED with {len(report.problems)} problems'}")
+    print(json.dumps({"event": "prep_verify_done", **report.to_json()}, sort_keys=True))
+    return 0 if report.ok else 1
+
+
+main = cli
+
+if __name__ == "__main__":
+    sys.exit(cli())
