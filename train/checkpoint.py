@@ -110,6 +110,18 @@ def save_full(engine, model, run_dir: Path, *, rank: int, tokenizer=None, dtype=
         return out
     state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     model.save_pretrained(str(out), state_dict=state, safe_serialization=True)
+    # Digests of what was in memory, keyed like the files save_pretrained wrote (tied copies are left out).
+    from safetensors import safe_open
+
+    digests: dict[str, dict[str, str]] = {}
+    for path in sorted(out.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            keys = list(f.keys())
+        missing = [k for k in keys if k not in state]
+        if missing:
+            raise RuntimeError(f"save_pretrained wrote keys the state dict does not have: {missing[:5]}")
+        digests[path.name] = {k: tensor_sha256(state[k]) for k in keys}
+    (out / DIGESTS).write_text(json.dumps(digests, indent=1))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
     return out

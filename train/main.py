@@ -205,8 +205,10 @@ class Recipe:
         if not build.exists():
             return None
         data = json.loads(build.read_text())
-        budget = data.get("budget") or data.get("video_budget") or {}
-        return data.get("model_family") or (budget.get("model_family") if isinstance(budget, dict) else None)
+        for section in (data, data.get("config") or {}, data.get("budget") or {}):
+            if isinstance(section, dict) and section.get("model_family"):
+                return section["model_family"]
+        return None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -250,7 +252,10 @@ class Recipe:
         for p in model.parameters():
             p.requires_grad_(False)
         if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x name
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
         torch.manual_seed(cfg.seed)  # LoRA init: the same on every rank
         if cfg.lora:
@@ -373,23 +378,7 @@ class Recipe:
         self.log.bar = None
 
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Mean cross-entropy over supervised tokens.
-
-        Position p predicts token p+1, so only columns whose next label is supervised need logits; the
-        model computes them there alone (`logits_to_keep` as an index tensor), which avoids the
-        full-sequence fp32 logits that are the first thing to run out of memory on long videos.
-        Seam for later: the frozen vision tower could run under no_grad here and be passed in through
-        the model's `mm_encoder_outputs`.
-        """
-        labels = batch.pop("labels")
-        if self.cfg.full_logits:
-            return self.engine(**batch, labels=labels).loss
-        next_labels = labels[:, 1:]
-        keep = (next_labels != IGNORE_INDEX).any(dim=0).nonzero().squeeze(1)
-        out = self.engine(**batch, logits_to_keep=keep)
-        logits = out.logits.float()
-        target = next_labels[:, keep]
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX)
+        return causal_lm_loss(self.engine, batch, full_logits=self.cfg.full_logits)
 
     def _lora_snapshot(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in trainable_state(self.engine.module).items() if "lora_" in k}
@@ -484,6 +473,26 @@ class Recipe:
             self.log.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def causal_lm_loss(model, batch: dict[str, torch.Tensor], *, full_logits: bool = False) -> torch.Tensor:
+    """Mean cross-entropy over supervised tokens (labels != -100), the same value as the model's own loss.
+
+    Position p predicts token p+1, so only columns whose next label is supervised need logits; the model
+    computes them there alone (`logits_to_keep` as an index tensor). That skips the full-sequence fp32
+    logits, the first allocation to run out of memory on long videos. Seam for later: the frozen vision
+    tower can run under no_grad before this call and be passed in through `mm_encoder_outputs`.
+    """
+    batch = dict(batch)
+    labels = batch.pop("labels")
+    if full_logits:
+        return model(**batch, labels=labels).loss
+    next_labels = labels[:, 1:]
+    keep = (next_labels != IGNORE_INDEX).any(dim=0).nonzero().squeeze(1)
+    out = model(**batch, logits_to_keep=keep)
+    logits = out.logits.float()
+    target = next_labels[:, keep]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX)
 
 
 def _is_vision(name: str) -> bool:
