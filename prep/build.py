@@ -475,7 +475,7 @@ def build(config: BuildConfig) -> dict:
         "schema_version": SCHEMA_VERSION,
         "samples": samples.num_rows,
         "videos": len(set(samples.column("video_id").to_pylist())),
-        "annotations": len(anns) + sum(1 for r in input_rejects if r.stage == "annotations"),
+        "annotations_matched": len(anns),
         "shards": len(tasks),
         "shards_built": len(pending),
         "shards_skipped": len(tasks) - len(pending),

@@ -142,6 +142,38 @@ def test_invalid_config_reports_every_problem(tmp_path):
         assert flag in str(e.value)
 
 
+def test_decode_failure_mid_video_rejects_the_remaining_windows(synth_videos_dir, tmp_path, monkeypatch):
+    import prep.build as pb
+    from prep.decode import DecodeError
+
+    real = pb.decode_windows
+
+    def failing(path, indices, **kw):  # vid_b's decoder dies after its first window
+        for i, (pos, frames) in enumerate(real(path, indices, **kw)):
+            if "vid_b" in path and i == 1:
+                raise DecodeError("decord failed on frames 64..120 of vid_b.mp4: simulated")
+            yield pos, frames
+
+    monkeypatch.setattr(pb, "decode_windows", failing)
+    summary = build(BuildConfig(videos=synth_videos_dir, out=tmp_path / "out", **BUILT_SHARDS_ARGS))
+    assert summary["samples"] == 10
+    rejects = read_records(tmp_path / "out" / "rejects.parquet", RejectRecord)
+    assert [(r.video_id, r.stage, r.reason) for r in rejects] == [("vid_b", "decode", "decode_error")] * 2
+    assert "window 1" in rejects[0].detail and "window 2" in rejects[1].detail
+    kept = [r.sample_id for r in read_records(tmp_path / "out" / "manifest.parquet", SampleRecord) if r.video_id == "vid_b"]
+    assert kept == ["vid_b/w0000"]
+    assert len(tar_keys(tmp_path / "out")) == 10
+
+
+def test_group_videos_keeps_videos_whole_and_respects_caps():
+    from prep.shards import group_videos
+
+    weights = [("a", 3, 10), ("b", 3, 10), ("c", 5, 10), ("d", 1, 100), ("e", 1, 1)]
+    assert group_videos(weights, 6, None) == [["a", "b"], ["c", "d"], ["e"]]
+    assert group_videos(weights, 100, 25) == [["a", "b"], ["c"], ["d"], ["e"]]
+    assert group_videos([("big", 50, 1)], 6, None) == [["big"]]
+
+
 # ------------------------------------------------------------------------------------- manifest and tar
 
 
