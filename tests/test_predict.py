@@ -173,3 +173,40 @@ def test_torchrun_two_ranks_match_one(preds, tiny_vl, built_shards, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert read_predictions(out) == read_predictions(preds[0])
     assert not list(tmp_path.glob("*.part-*"))
+
+
+def test_oracle_answers_score_perfectly(built_shards, tmp_path):
+    """The shard's own answer tokens, decoded and parsed the way predict does, give valid rows that
+    evaluate scores as perfect: decode -> parse -> source time -> metrics lose nothing."""
+    store = SampleStore(built_shards)
+    tok = load_tokenizer()
+    end = {special_id(tok, "<|im_end|>")}
+    rows = []
+    for sid in store.records:
+        s = store.get(sid)
+        answer, finished, n = pr.cut_at_end(s.input_ids[s.prompt_tokens:] + [0, 0], end)
+        assert finished and n == len(s.input_ids) - s.prompt_tokens
+        rows.append(pr.make_row(s.record, tok.decode(answer, skip_special_tokens=False), finished, n))
+    assert all(r.status == "valid" and not r.degenerate for r in rows)
+    assert [r.segments for r in rows] == [store.record(r.sample_id).segments for r in rows]
+    report = ev.evaluate(rows, list(store.records.values()))
+    w, v = report["window"], report["video"]
+    assert w["miou"] == 1.0 and all(x == 1.0 for x in w["r1"].values())
+    assert w["segment_prf@0.5"]["f1"] == 1.0 and w["negative_accuracy"] == 1.0
+    assert v["frame_f1"]["keep"]["f1"] == 1.0 and v["frame_f1"]["cut"]["f1"] == 1.0
+    assert report["format"]["valid_rate"] == 1.0
+
+
+def test_cli_qwen3_5_with_adapter(built_shards, tmp_path_factory, tmp_path, capsys):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    model_dir = ensure_tiny_model("qwen3_5", tmp_path_factory.mktemp("models"))
+    base = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32)
+    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(str(tmp_path / "run" / "adapter"))
+    out = tmp_path / "preds.jsonl"
+    assert pr.main(["--model", str(model_dir), "--adapter", str(tmp_path / "run"), "--shards", str(built_shards),
+                    "--out", str(out), "--limit", "3", "--batch-size", "2", "--max-new-tokens", "6"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["windows"] == 3
+    assert [r.sample_id for r in read_predictions(out)] == ["vid_a/w0000", "vid_a/w0001", "vid_a/w0002"]

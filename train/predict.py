@@ -181,6 +181,23 @@ def make_row(record: SampleRecord, text: str, finished: bool, generated: int) ->
     )
 
 
+def end_token_ids(tokenizer, model) -> list[int]:
+    """Ids that end an answer: <|im_end|> (required), <|endoftext|> when the vocabulary has it, and the
+    model's generation_config eos ids. Looked up by exact token string: a saved Qwen3.5 tokenizer names
+    <|endoftext|> its unk token, which prep.tokens.special_id would refuse."""
+    from prep.tokens import special_id
+
+    ids = [special_id(tokenizer, "<|im_end|>")]
+    for tok in END_TOKENS[1:]:
+        i = tokenizer.convert_tokens_to_ids(tok)
+        if isinstance(i, int) and tokenizer.convert_ids_to_tokens(i) == tok:
+            ids.append(i)
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for i in [eos] if isinstance(eos, int) else (eos or []):
+        ids.append(int(i))
+    return list(dict.fromkeys(ids))
+
+
 @torch.no_grad()
 def generate_rows(model, tokenizer, store: SampleStore, sample_ids: list[str], *, batch_size: int,
                   max_new_tokens: int, device: torch.device, log=print) -> dict[str, PredictionRow]:
@@ -189,8 +206,8 @@ def generate_rows(model, tokenizer, store: SampleStore, sample_ids: list[str], *
 
     spec = VisionSpec.from_model_config(model.config)
     video_token_id = special_id(tokenizer, "<|video_pad|>")
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else special_id(tokenizer, "<|endoftext|>")
-    end_ids = [special_id(tokenizer, t) for t in END_TOKENS]
+    end_ids = end_token_ids(tokenizer, model)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_ids[-1]
     vocab = model.get_input_embeddings().weight.shape[0]
     dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
     order = sorted(sample_ids, key=lambda s: store.record(s).input_tokens - store.record(s).supervised_tokens)
