@@ -34,7 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     if verb not in VERBS:
         print(f"python -m prep: unknown verb {verb!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(VERBS[verb][0])
+    name = VERBS[verb][0]
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name != name:  # a missing dependency inside the verb is a real error
+            raise
+        print(f"python -m prep: verb {verb!r} is not available in this install ({name} is missing)", file=sys.stderr)
+        return 2
     return int(module.cli(rest) or 0)
 
 

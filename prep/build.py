@@ -376,7 +376,11 @@ def _our_files(out: Path) -> list[Path]:
 def _estimate_bytes(job: VideoJob, budget: VideoBudget) -> int:
     """Rough tar bytes of a video (JPEG ~ 1/10 of raw RGB), for --shard-size-mb; a plan without tokens."""
     w, p = job.windows[0].window, job.probe
-    plan = plan_frames(budget, height=p.height, width=p.width, fps=p.fps, total_frames=p.frames, start_s=w.start_s, end_s=w.end_s)
+    try:
+        plan = plan_frames(budget, height=p.height, width=p.width, fps=p.fps, total_frames=p.frames,
+                           start_s=w.start_s, end_s=w.end_s)
+    except ValueError:
+        return 0  # only an estimate: the worker plans the window again and records the reject with its reason
     return len(job.windows) * len(plan.frame_indices) * plan.height * plan.width * 3 // 10
 
 
@@ -457,6 +461,10 @@ def build(config: BuildConfig) -> dict:
         t0 = time.perf_counter()
         _run_shards(pool, queue, pending, config.progress)
         shards_s = time.perf_counter() - t0
+    except BaseException:
+        if pool is not None:  # a code error or Ctrl-C: stop the other shards now, their stats stay unwritten
+            pool.terminate()
+        raise
     finally:
         if pool is not None:
             pool.close()
