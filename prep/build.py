@@ -266,6 +266,13 @@ _progress = None  # set per process: called with (videos, windows, source second
 def _init_worker(queue) -> None:
     global _progress
     _progress = queue.put
+    if sys.platform.startswith("linux"):
+        # die with the parent: after a kill -9 of the build, an orphan must not keep writing a shard
+        # that the rerun is rebuilding (pool workers would otherwise finish their shard, then hang)
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def process_shard(task: ShardTask) -> dict:
@@ -322,12 +329,12 @@ def process_shard(task: ShardTask) -> dict:
             t["source_s"] += video.probe.duration_s
             if _progress is not None:
                 _progress((1, done, video.probe.duration_s))
-        sha, size = writer.commit()
+        write_records(paths.samples, records, SampleRecord)
+        write_records(paths.rejects, rejects, RejectRecord)
+        sha, size = writer.commit()  # the tar gets its final name only after its sidecars exist
     except BaseException:
         writer.abort()
         raise
-    write_records(paths.samples, records, SampleRecord)
-    write_records(paths.rejects, rejects, RejectRecord)
     stats = {"shard": paths.tar.name, "sha256": sha, "bytes": size, "samples": len(records), "rejects": len(rejects),
              "videos": len(task.videos), "video_ids": [v.video_id for v in task.videos],
              **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in t.items()}}
