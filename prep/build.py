@@ -276,7 +276,7 @@ def _init_worker(queue) -> None:
 
 
 def process_shard(task: ShardTask) -> dict:
-    """Build one shard from scratch: plan, tokenize, decode once per video, write; stats.json last."""
+    """Build one shard from scratch: plan, tokenize, decode each file once, write; stats.json last."""
     paths = task.paths
     paths.clear()
     s = task.settings
@@ -287,48 +287,8 @@ def process_shard(task: ShardTask) -> dict:
     keys: set[str] = set()
     t = Counter()
     try:
-        for video in task.videos:
-            t0 = time.perf_counter()
-            planned = []
-            for job in video.windows:
-                try:
-                    planned.append((job, *plan_window(s.budget, video.probe, job, tokenizer, video.query, s.max_input_tokens)))
-                except WindowRejected as r:
-                    rejects.append(reject(video.video_id, video.source_path, r.reason, r.detail, stage=r.stage))
-            t["plan_s"] += time.perf_counter() - t0
-            done = 0
-            if planned:
-                t0 = time.perf_counter()
-                try:
-                    frames_iter = decode_windows(video.probe.path, [p[1].frame_indices for p in planned],
-                                                 width=video.probe.width, height=video.probe.height,
-                                                 num_threads=s.decode_threads)
-                    for pos, frames in frames_iter:
-                        t1 = time.perf_counter()
-                        t["decode_s"] += t1 - t0
-                        job, plan, times, tok = planned[pos]
-                        jpegs = [encode_frame(f, plan.height, plan.width, s.jpeg_quality) for f in frames]
-                        key = sample_key(video.video_id, job.window.index)
-                        if key in keys:
-                            key += "_" + hashlib.sha1(video.video_id.encode()).hexdigest()[:8]
-                        keys.add(key)
-                        record = _record(video, job, plan, times, tok, paths.tar.name, key)
-                        writer.add(ShardSample(record=record, input_ids=tok.input_ids, prompt_tokens=tok.prompt_tokens), jpegs)
-                        records.append(record)
-                        done += 1
-                        t0 = time.perf_counter()
-                        t["encode_s"] += t0 - t1
-                        t["frames"] += len(jpegs)
-                except DecodeError as e:
-                    for job, *_ in planned[done:]:
-                        rejects.append(reject(video.video_id, video.source_path, "decode_error",
-                                              f"window {job.window.index} ({job.window.start_s:.2f}-{job.window.end_s:.2f} s) "
-                                              f"not written: {e}", stage="decode"))
-            t["videos"] += 1
-            t["windows"] += done
-            t["source_s"] += video.probe.duration_s
-            if _progress is not None:
-                _progress((1, done, video.probe.duration_s))
+        for file_jobs in _by_file(task.videos):
+            _process_file(file_jobs, s, tokenizer, writer, records, rejects, keys, t)
         write_records(paths.samples, records, SampleRecord)
         write_records(paths.rejects, rejects, RejectRecord)
         sha, size = writer.commit()  # the tar gets its final name only after its sidecars exist
@@ -340,6 +300,62 @@ def process_shard(task: ShardTask) -> dict:
              **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in t.items()}}
     write_stats(paths, stats)
     return stats
+
+
+def _by_file(videos: list[VideoJob]) -> list[list[VideoJob]]:
+    """Annotations grouped by the file they name (QVHighlights has several queries per video), in order."""
+    groups: dict[str, list[VideoJob]] = {}
+    for v in videos:
+        groups.setdefault(v.probe.path, []).append(v)
+    return list(groups.values())
+
+
+def _process_file(jobs: list[VideoJob], s: WorkerSettings, tokenizer, writer: ShardWriter,
+                  records: list[SampleRecord], rejects: list[RejectRecord], keys: set[str], t: Counter) -> None:
+    """Every window of every annotation of one file, decoded in one forward pass over the file."""
+    t0 = time.perf_counter()
+    planned = []
+    for video in jobs:
+        for job in video.windows:
+            try:
+                planned.append((video, job, *plan_window(s.budget, video.probe, job, tokenizer, video.query, s.max_input_tokens)))
+            except WindowRejected as r:
+                rejects.append(reject(video.video_id, video.source_path, r.reason, r.detail, stage=r.stage))
+    planned.sort(key=lambda p: p[1].window.start_s)  # stable: one annotation's windows keep their order
+    t["plan_s"] += time.perf_counter() - t0
+    done = 0
+    probe = jobs[0].probe
+    if planned:
+        t0 = time.perf_counter()
+        try:
+            frames_iter = decode_windows(probe.path, [p[2].frame_indices for p in planned], width=probe.width,
+                                         height=probe.height, num_threads=s.decode_threads)
+            for pos, frames in frames_iter:
+                t1 = time.perf_counter()
+                t["decode_s"] += t1 - t0
+                video, job, plan, times, tok = planned[pos]
+                jpegs = [encode_frame(f, plan.height, plan.width, s.jpeg_quality) for f in frames]
+                key = sample_key(video.video_id, job.window.index)
+                if key in keys:
+                    key += "_" + hashlib.sha1(video.video_id.encode()).hexdigest()[:8]
+                keys.add(key)
+                record = _record(video, job, plan, times, tok, writer.paths.tar.name, key)
+                writer.add(ShardSample(record=record, input_ids=tok.input_ids, prompt_tokens=tok.prompt_tokens), jpegs)
+                records.append(record)
+                done += 1
+                t0 = time.perf_counter()
+                t["encode_s"] += t0 - t1
+                t["frames"] += len(jpegs)
+        except DecodeError as e:
+            for video, job, *_ in planned[done:]:
+                rejects.append(reject(video.video_id, video.source_path, "decode_error",
+                                      f"window {job.window.index} ({job.window.start_s:.2f}-{job.window.end_s:.2f} s) "
+                                      f"not written: {e}", stage="decode"))
+    t["videos"] += len(jobs)
+    t["windows"] += done
+    t["source_s"] += probe.duration_s
+    if _progress is not None:
+        _progress((len(jobs), done, probe.duration_s))
 
 
 def _record(video: VideoJob, job: WindowJob, plan: FramePlan, times: list[float], tok: TokenizedSample,
@@ -453,10 +469,16 @@ def build(config: BuildConfig) -> dict:
             job = plan_video(ann, probe, config)
             (input_rejects if isinstance(job, RejectRecord) else jobs).append(job)
         jobs.sort(key=lambda j: j.video_id)
-        by_id = {j.video_id: j for j in jobs}
+        # the unit of grouping is a file with all its annotations (sorted by their first id), so a file
+        # shared by several annotations is decoded once
+        units: dict[str, list[VideoJob]] = {}
+        for j in jobs:
+            units.setdefault(j.source_path, []).append(j)
         shard_bytes = int(config.shard_size_mb * 2**20) if config.shard_size_mb else None
-        groups = group_videos([(j.video_id, len(j.windows), _estimate_bytes(j, budget)) for j in jobs],
-                              config.samples_per_shard, shard_bytes)
+        unit_groups = group_videos([(path, sum(len(j.windows) for j in js), sum(_estimate_bytes(j, budget) for j in js))
+                                    for path, js in units.items()], config.samples_per_shard, shard_bytes)
+        groups = [[j.video_id for path in g for j in units[path]] for g in unit_groups]
+        by_id = {j.video_id: j for j in jobs}
         _check_plan(out, config, groups)
         write_records(out / INPUT_REJECTS, input_rejects, RejectRecord)
 

@@ -136,8 +136,8 @@ def read_stats(paths: ShardPaths) -> dict:
 def group_videos(weights: list[tuple[str, int, int]], samples_per_shard: int, shard_bytes: int | None) -> list[list[str]]:
     """Greedy, deterministic grouping of whole videos into shards.
 
-    weights: (video_id, planned windows, estimated bytes) in the order to keep (sorted by video id). A
-    video never splits; a shard closes when the next video would push it past samples_per_shard or
+    weights: (unit, planned windows, estimated bytes) in the order to keep; a unit is a video file with
+    all its annotations (the build sorts them by annotation id). A unit never splits; a shard closes when the next video would push it past samples_per_shard or
     shard_bytes (a soft cap: a single large video still gets its own shard).
     """
     groups: list[list[str]] = []

@@ -165,6 +165,27 @@ def test_decode_failure_mid_video_rejects_the_remaining_windows(synth_videos_dir
     assert len(tar_keys(tmp_path / "out")) == 10
 
 
+def test_qvhighlights_queries_of_one_file_share_one_decode(tmp_path, monkeypatch):
+    import prep.build as pb
+
+    d = tmp_path / "videos"
+    d.mkdir()
+    write_video(VideoSpec(name="clip_x", duration_s=10.0, fps=8.0), d)
+    rows = [{"qid": 2, "vid": "clip_x", "duration": 10, "query": "a red square", "relevant_windows": [[2, 6]]},
+            {"qid": 1, "vid": "clip_x", "duration": 10, "query": "the texture", "relevant_windows": [[0, 10]]}]
+    (d / "qvh.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    calls = []
+    real = pb.decode_windows
+    monkeypatch.setattr(pb, "decode_windows", lambda path, idx, **kw: calls.append(path) or real(path, idx, **kw))
+    build(BuildConfig(videos=d, out=tmp_path / "out", annotations=d / "qvh.jsonl", format="qvhighlights",
+                      window_seconds=5.0, **SMALL))
+    assert len(calls) == 1
+    recs = read_records(tmp_path / "out" / "manifest.parquet", SampleRecord)
+    assert [(r.sample_id, r.answer) for r in recs] == [
+        ("1/w0000", "[[0.0, 5.0]]"), ("1/w0001", "[[0.0, 5.0]]"), ("2/w0000", "[[2.0, 5.0]]"), ("2/w0001", "[[0.0, 1.0]]")]
+    assert '"a red square"' in recs[2].query and recs[0].source_path == "clip_x.mp4"
+
+
 def test_group_videos_keeps_videos_whole_and_respects_caps():
     from prep.shards import group_videos
 
