@@ -26,7 +26,7 @@ from prep.tokens import load_tokenizer, special_id, tokenize_sample
 from schemas.manifest import RejectRecord, SampleRecord, Segment, arrow_schema, read_records
 from schemas.shard import ShardSample
 from scripts.synth_videos import VideoSpec, write_dataset, write_video
-from tests.conftest import BUILT_SHARDS_ARGS, SYNTH_SPECS
+from conftest import BUILT_SHARDS_ARGS, SYNTH_SPECS  # tests/ is on sys.path (rootdir conftest)
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = dict(video_min_tokens=16, video_max_tokens=64, workers=1, progress=False)
