@@ -159,6 +159,7 @@ class VideoJob:
     query: str
     probe: ProbeResult
     windows: list[WindowJob]
+    negatives_dropped: int = 0  # windows left out by --negatives drop (counted, not rejects)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -206,8 +207,9 @@ def plan_video(ann: Annotation, probe: ProbeResult, config: BuildConfig) -> Vide
     if not jobs:
         return reject(ann.video_id, ann.source_path, "no_positive_windows",
                       f"all {len(windows)} windows are negatives and --negatives drop", stage="answers")
-    query = config.query_template.format(query=ann.query) if ann.query else config.query
-    return VideoJob(video_id=ann.video_id, source_path=ann.source_path, query=query, probe=probe, windows=jobs)
+    query = config.query_template.replace("{query}", ann.query) if ann.query else config.query
+    return VideoJob(video_id=ann.video_id, source_path=ann.source_path, query=query, probe=probe, windows=jobs,
+                    negatives_dropped=len(windows) - len(jobs))
 
 
 class WindowRejected(Exception):
@@ -519,6 +521,8 @@ def build(config: BuildConfig) -> dict:
         "frames": sum(samples.column("num_frames").to_pylist()),
         "visual_tokens": sum(samples.column("visual_tokens").to_pylist()),
         "input_tokens": sum(samples.column("input_tokens").to_pylist()),
+        "negatives": sum(1 for a in samples.column("answer").to_pylist() if a == "[]"),
+        "negatives_dropped": sum(j.negatives_dropped for j in jobs),
         "rejects": rejects.num_rows,
         "rejects_by_reason": dict(sorted(Counter(rejects.column("reason").to_pylist()).items())),
         "timings_s": {"probe": round(probe_s, 3), "shards": round(shards_s, 3), "assemble": round(assemble_s, 3),
@@ -663,7 +667,8 @@ def summary_lines(summary: dict, out: Path) -> list[str]:
     lines = [
         f"prep build: {summary['samples']} samples from {summary['videos']} videos in {summary['shards']} shards "
         f"({summary['shards_built']} built, {summary['shards_skipped']} already complete) in {summary['timings_s']['total']:.1f} s",
-        f"  {summary['frames']} frames, {summary['input_tokens']} input tokens ({summary['visual_tokens']} visual); "
+        f"  {summary['negatives']} negatives kept, {summary['negatives_dropped']} dropped (--negatives drop); "
+        f"{summary['frames']} frames, {summary['input_tokens']} input tokens ({summary['visual_tokens']} visual); "
         f"{th['videos_per_s']} videos/s, {th['windows_per_s']} windows/s, {th['realtime_factor']}x realtime",
         f"  rejects: {summary['rejects']}" + ("" if not summary["rejects"] else
                                             " (" + ", ".join(f"{k} {v}" for k, v in summary["rejects_by_reason"].items()) + ")"),

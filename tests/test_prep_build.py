@@ -186,6 +186,15 @@ def test_qvhighlights_queries_of_one_file_share_one_decode(tmp_path, monkeypatch
     assert '"a red square"' in recs[2].query and recs[0].source_path == "clip_x.mp4"
 
 
+def test_negatives_drop(synth_videos_dir, tmp_path):
+    summary = build(BuildConfig(videos=synth_videos_dir, out=tmp_path / "out", negatives="drop", **BUILT_SHARDS_ARGS))
+    recs = read_records(tmp_path / "out" / "manifest.parquet", SampleRecord)
+    assert all(r.segments for r in recs) and len(recs) == 6
+    assert (summary["negatives"], summary["negatives_dropped"]) == (0, 3)
+    rejects = read_records(tmp_path / "out" / "rejects.parquet", RejectRecord)
+    assert [(r.video_id, r.reason) for r in rejects] == [("vid_b", "no_positive_windows")]
+
+
 def test_group_videos_keeps_videos_whole_and_respects_caps():
     from prep.shards import group_videos
 
