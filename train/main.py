@@ -233,6 +233,12 @@ class Recipe:
         model, info = AutoModelForImageTextToText.from_pretrained(self.model_dir, dtype=self.dtype,
                                                                    output_loading_info=True)
         model.config.use_cache = False
+        # transformers' ZeRO-3 loader keeps every key conversion, used or not, and save_pretrained reverses
+        # them all: for Qwen3.5 that writes `model.language_model.model.language_model.*`. Keep only the
+        # conversions that matched a checkpoint key, as the ordinary loader does.
+        conversions = getattr(model, "_weight_conversions", None)
+        if conversions:
+            model._weight_conversions = [c for c in conversions if c.was_used()]
         report, entries = check_load(model, self.model_dir, info)
         self.log.say(report.message())
         verified = None

@@ -1,0 +1,222 @@
+"""End-to-end trainer runs on CPU: real DeepSpeed ZeRO-3 with 2 ranks (torchrun, DS_ACCELERATOR=cpu, gloo),
+the tiny random Qwen3-VL / Qwen3.5 models and copies of the `built_shards` fixture cut to N samples.
+
+Each run is a module-scoped fixture so several tests read one run; runs are a few steps each.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.train_helpers import events, explain, launch, steps, subset_shards, verify
+
+FIVE = ["vid_a/w0002", "vid_b/w0002", "vid_c/w0002", "vid_d/w0002", "vid_a/w0001"]
+ONE = ["vid_a/w0002"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    from train.models import ensure_tiny_model
+
+    cache = tmp_path_factory.mktemp("tiny_models")
+    for family in ("qwen3_vl", "qwen3_5"):
+        ensure_tiny_model(family, cache)
+    return cache
+
+
+@pytest.fixture(scope="module")
+def five(built_shards, tmp_path_factory) -> Path:
+    return subset_shards(built_shards, tmp_path_factory.mktemp("five"), FIVE)
+
+
+@pytest.fixture(scope="module")
+def one(built_shards, tmp_path_factory) -> Path:
+    return subset_shards(built_shards, tmp_path_factory.mktemp("one"), ONE)
+
+
+def _args(shards: Path, run: Path, cache: Path, *extra: str) -> list[str]:
+    return ["--shards", str(shards), "--output-dir", str(run), "--cache-dir", str(cache), "--num-workers", "1", *extra]
+
+
+# LoRA on tiny Qwen3-VL, 5 samples on 2 ranks with --tail drop: 2 steps per epoch, 3 epochs, checkpoint at 3.
+DROP_ARGS = ("--model-family", "qwen3_vl", "--tail", "drop", "--epochs", "3", "--save-every", "3", "--lr", "1e-3")
+
+
+@pytest.fixture(scope="module")
+def drop_run(five, cache, tmp_path_factory):
+    run = tmp_path_factory.mktemp("drop_run")
+    proc = launch(_args(five, run, cache, *DROP_ARGS, "--verify-load"))
+    return proc, run
+
+
+@pytest.fixture(scope="module")
+def resumed_run(five, cache, tmp_path_factory):
+    """The same run killed by a (simulated) OOM on rank 1 at step 4, then resumed in place."""
+    run = tmp_path_factory.mktemp("resumed_run")
+    crashed = launch(_args(five, run, cache, *DROP_ARGS), env={"VIDEO_ORA_FAIL_AT": "forward:4:1"})
+    oom = json.loads((run / "oom_rank1.json").read_text()) if (run / "oom_rank1.json").exists() else None
+    crash_steps = {r: steps(run, r) for r in (0, 1)}
+    resumed = launch(_args(five, run, cache, *DROP_ARGS, "--resume", str(run)))
+    return crashed, oom, crash_steps, resumed, run
+
+
+def test_lora_run_plans_trains_verifies_and_saves(drop_run):
+    proc, run = drop_run
+    assert proc.returncode == 0, explain(proc)
+    out = proc.stdout
+    # plan printed before the load, with the effective batch and the dropped ids
+    assert out.index("effective batch = 1 micro x 2 ranks x 1 accum = 2 samples per step") < out.index("load check")
+    assert "dropped (tail=drop): " in out
+    assert "69/69 checkpoint entries verified" in out
+    assert "69 parameters are ZeRO-3 partitioned" in out
+    assert "LoRA sanity after step 1: 14/14 lora_B changed; 14/14 lora_A unchanged (expected" in out
+    # the ledger proves exactly-once per epoch, with the dropped sample accounted
+    ledger = [e for e in events(run, 0, "ledger")]
+    assert [e["epoch"] for e in ledger] == [0, 1, 2] and all(e["ok"] for e in ledger)
+    assert all("4/4 planned samples consumed exactly once (0 pad repeats, 1 dropped)" in e["message"] for e in ledger)
+    plans = json.loads((run / "plan.json").read_text())["plans"]
+    for p, e in zip(plans, ledger):
+        trained = {s for step in p["steps"] for rank in step for mb in rank for s in mb["sample_ids"]}
+        assert len(p["dropped"]) == 1 and trained | set(p["dropped"]) == set(FIVE)
+    # every rank logs fixed keys per step; the two ranks train different samples
+    for r in (0, 1):
+        rows = steps(run, r)
+        assert sorted(rows) == list(range(6))
+        for row in rows.values():
+            assert row["input_tokens"] > row["visual_tokens"] > 0 and row["supervised_tokens"] > 0
+            assert row["loss"] > 0 and row["grad_norm"] > 0 and row["lr"] > 0 and row["peak_alloc_gib"] > 0
+            assert set(row["phase_memory"]) >= {"backward", "optimizer_step"} and row["memory_kind"] == "cpu_rss"
+    assert all(steps(run, 0)[s]["sample_ids"] != steps(run, 1)[s]["sample_ids"] for s in range(6))
+    # memory summary and run record
+    assert "memory per rank and phase" in out and "first_forward" in out
+    rec = json.loads((run / "run.json").read_text())
+    assert rec["status"] == "completed" and rec["world_size"] == 2
+    assert rec["deepspeed_config"]["zero_optimization"]["stage"] == 3
+    assert rec["deepspeed_config"]["zero_optimization"]["reduce_bucket_size"] == 5e6
+    assert rec["config"]["tail"] == "drop" and rec["env"]["DS_ACCELERATOR"] == "cpu"
+    assert len(rec["manifest"]["build_json_sha256"]) == 64 and rec["model"]["family"] == "qwen3_vl"
+    assert set(rec["memory"]) == {"rank0", "rank1"} and "load" in rec["memory"]["rank1"]
+    assert (run / "checkpoints" / "step000003" / "trainer_state_rank1.pt").exists()
+    assert (run / "adapter" / "adapter_config.json").exists()
+
+
+def test_verify_adapter_passes_then_fails_on_an_altered_tensor(drop_run, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    proc, run = drop_run
+    assert proc.returncode == 0, explain(proc)
+    ok = verify(run)
+    assert ok.returncode == 0 and "28/28 tensors equal" in ok.stdout, explain(ok)
+
+    altered = tmp_path / "altered"
+    shutil.copytree(run, altered, ignore=shutil.ignore_patterns("checkpoints"))
+    path = altered / "adapter" / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    name = sorted(k for k in tensors if "lora_B" in k)[3]
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] += 0.5
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    bad = verify(altered)
+    assert bad.returncode == 1, explain(bad)
+    assert "27/28 tensors equal" in bad.stdout and name in bad.stderr, explain(bad)
+
+
+def test_oom_is_reported_with_phase_samples_and_every_rank(resumed_run):
+    crashed, oom, _, _, run = resumed_run
+    assert crashed.returncode != 0, explain(crashed)
+    assert oom is not None, explain(crashed)
+    assert oom["phase"] == "forward" and oom["global_step"] == 4
+    (sample,) = oom["samples"]
+    assert sample["sample_id"] in FIVE and len(sample["grid_thw"]) == 3 and sample["input_tokens"] > 0
+    assert sorted(m["rank"] for m in oom["ranks_memory"]) == [0, 1]
+    assert "OUT OF MEMORY in phase forward at global step 4" in crashed.stderr
+
+
+def test_resume_trains_the_same_samples_with_the_same_loss(drop_run, resumed_run):
+    proc, run_a = drop_run
+    crashed, _, crash_steps, resumed, run_b = resumed_run
+    assert proc.returncode == 0 and resumed.returncode == 0, explain(resumed)
+    assert "resumed from" in resumed.stdout and "at global step 3 of 6" in resumed.stdout
+    for r in (0, 1):
+        a, b = steps(run_a, r), steps(run_b, r)
+        # the crashed attempt trained steps 0..3 (rank 1 died in step 4) exactly like the uninterrupted run
+        assert [crash_steps[r][s]["loss"] for s in range(3)] == [a[s]["loss"] for s in range(3)]
+        for s in (3, 4, 5):
+            last_b = b[s]  # the resumed run's line for step s (the log keeps the crashed attempt's lines too)
+            assert last_b["sample_ids"] == a[s]["sample_ids"]
+            assert last_b["loss"] == pytest.approx(a[s]["loss"], abs=1e-6), (r, s, last_b["loss"], a[s]["loss"])
+            assert last_b["lr"] == pytest.approx(a[s]["lr"], rel=1e-9)
+    # the ledger was cut back to the checkpoint and continued: still exactly once
+    ledger = events(run_b, 0, "ledger")
+    assert ledger and all(e["ok"] for e in ledger), ledger
+    lines = [json.loads(x) for x in (run_b / "ledger" / "rank1.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(6))
+
+
+def test_one_sample_on_two_ranks_fails_before_load(one, cache, tmp_path):
+    proc = launch(_args(one, tmp_path / "run", cache))
+    assert proc.returncode != 0
+    assert "only 1 samples for 2 ranks, so rank 1 would get no batch" in proc.stderr, explain(proc)
+    names = {e["event"] for r in (0, 1) for e in events(tmp_path / "run", r)}
+    assert "start" in names and "load_start" not in names and "load_done" not in names
+
+
+def test_tail_error_names_the_numbers_and_options(five, cache, tmp_path):
+    proc = launch(_args(five, tmp_path / "run", cache))
+    assert proc.returncode != 0
+    assert "5 samples, world size 2, micro batch 1, grad accum 1 -> 2 samples per global step" in proc.stderr, explain(proc)
+    assert "--tail pad" in proc.stderr and "--tail drop" in proc.stderr
+    assert not any(e["event"] == "load_start" for e in events(tmp_path / "run", 0))
+
+
+def test_full_finetune_qwen3_5_with_tail_pad_reloads_with_from_pretrained(five, cache, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    run = tmp_path / "run"
+    proc = launch(_args(five, run, cache, "--model-family", "qwen3_5", "--finetune", "full", "--tail", "pad",
+                        "--lr", "1e-3"))
+    assert proc.returncode == 0, explain(proc)
+    assert "1 pad repeats" in proc.stdout
+    ledger = events(run, 0, "ledger")
+    assert ledger[0]["ok"] and "5/5 planned samples consumed exactly once (1 pad repeats, 0 dropped)" in ledger[0]["message"]
+    repeats = [rep for r in (0, 1) for row in steps(run, r).values() for rep in row["repeat"]]
+    assert len(repeats) == 6 and sum(repeats) == 1
+    ok = verify(run)
+    assert ok.returncode == 0, explain(ok)
+    model = AutoModelForImageTextToText.from_pretrained(run / "model")
+    base = load_file(str(cache / "tiny_qwen3_5" / "model.safetensors"))
+    got = dict(model.named_parameters())
+    lm = "model.language_model.layers.1.mlp.down_proj.weight"
+    vis = "model.visual.blocks.0.mlp.linear_fc1.weight"
+    assert not torch.equal(got[lm].float(), base[lm].to(torch.bfloat16).float())  # trained
+    assert torch.equal(got[vis].float(), base[vis].to(torch.bfloat16).float())  # frozen vision tower
+
+
+def test_loss_goes_down_on_a_repeated_batch_single_process(one, cache, tmp_path):
+    run = tmp_path / "run"
+    proc = launch(_args(one, run, cache, "--epochs", "6", "--lr", "3e-3", "--lora-dropout", "0", "--warmup-steps",
+                        "0", "--min-lr-ratio", "1.0", "--dtype", "fp32", "--num-workers", "0"), nproc=0)
+    assert proc.returncode == 0, explain(proc)
+    losses = [steps(run, 0)[s]["loss"] for s in range(6)]
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert losses[-1] < 0.9 * losses[0], losses
+
+
+def test_renamed_checkpoint_key_fails_load_verification(cache, one, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(cache / "tiny_qwen3_vl", model)
+    tensors = load_file(str(model / "model.safetensors"))
+    tensors["model.visual.blocks.1.attn.proj.weight_renamed"] = tensors.pop("model.visual.blocks.1.attn.proj.weight")
+    save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
+    proc = launch(_args(one, tmp_path / "run", cache, "--model", str(model)), nproc=0)
+    assert proc.returncode == 2, explain(proc)
+    assert "model.visual.blocks.1.attn.proj.weight_renamed" in proc.stderr
+    assert "model parameter model.visual.blocks.1.attn.proj.weight has no checkpoint key" in proc.stderr
+    assert not any(e["event"] == "step" for e in events(tmp_path / "run", 0))

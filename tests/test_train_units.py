@@ -1,0 +1,179 @@
+"""In-process trainer pieces: config validation, DeepSpeed config filling, the supervised-only loss, load
+verification (prefix mapping, planted renamed key), memory helper, run record. No DeepSpeed engine here."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from train.config import (
+    ConfigError,
+    TrainConfig,
+    default_deepspeed_config,
+    lr_factor,
+    parse_config,
+    resolve_deepspeed_config,
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory) -> Path:
+    from train.models import ensure_tiny_model
+
+    cache = tmp_path_factory.mktemp("tiny_models")
+    for family in ("qwen3_vl", "qwen3_5"):
+        ensure_tiny_model(family, cache)
+    return cache
+
+
+def test_config_reports_every_problem_at_once(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        parse_config(["--shards", str(tmp_path / "nope"), "--output-dir", str(tmp_path / "run"), "--lr", "0",
+                      "--grad-accum", "0", "--max-tokens-per-batch", "100", "--micro-batch-size", "2",
+                      "--lora-targets", "(", "--warmup-ratio", "1.5"])
+    msg = str(e.value)
+    for part in ("--shards", "--lr must be > 0", "--grad-accum must be >= 1", "exclusive", "--lora-targets",
+                 "--warmup-ratio"):
+        assert part in msg, msg
+
+
+def test_config_help_explains_flags(capsys):
+    with pytest.raises(SystemExit):
+        parse_config(["--help"])
+    out = capsys.readouterr().out
+    for flag in ("--tail", "--zero-stage", "--offload-optimizer", "--resume", "--verify-load", "--lora-targets",
+                 "--gradient-checkpointing", "--save-every", "--max-tokens-per-batch"):
+        assert flag in out
+
+
+def test_deepspeed_config_default_is_video_ora_and_autos_are_filled(built_shards, tmp_path):
+    cfg = TrainConfig(shards=built_shards, output_dir=tmp_path, micro_batch_size=2, grad_accum=3, lr=3e-4,
+                      zero_stage=2, reduce_bucket_size=1e7)
+    ds = resolve_deepspeed_config(cfg, world_size=4, total_steps=10)
+    assert ds["train_batch_size"] == 24 and ds["train_micro_batch_size_per_gpu"] == 2
+    assert ds["gradient_accumulation_steps"] == 3 and ds["optimizer"]["params"]["lr"] == 3e-4
+    assert ds["zero_optimization"]["stage"] == 2 and ds["zero_optimization"]["reduce_bucket_size"] == 1e7
+    assert "stage3_prefetch_bucket_size" not in ds["zero_optimization"]
+    z3 = default_deepspeed_config(TrainConfig(shards=built_shards, output_dir=tmp_path))["zero_optimization"]
+    assert z3["stage"] == 3 and z3["reduce_bucket_size"] == 5e6 and z3["stage3_prefetch_bucket_size"] == 5e6
+    assert z3["stage3_gather_16bit_weights_on_model_save"] and "offload_optimizer" not in z3
+
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": "auto"},
+                                "zero_optimization": {"stage": 3, "mystery": "auto"}}))
+    with pytest.raises(ConfigError) as e:
+        resolve_deepspeed_config(TrainConfig(shards=built_shards, output_dir=tmp_path, deepspeed=user), 2, 5)
+    assert "zero_optimization.mystery is still \"auto\"" in str(e.value)
+    assert "train_micro_batch_size_per_gpu=8" in str(e.value)
+
+
+def test_lr_schedule_trains_at_step_zero_and_decays():
+    f = [lr_factor(s, warmup=2, total=10, min_ratio=0.0) for s in range(10)]
+    assert 0 < f[0] < f[1] < f[2] == 1.0
+    assert all(a >= b for a, b in zip(f[2:], f[3:])) and f[-1] > 0
+
+
+def _batch(model_dir: Path, built_shards: Path, ids: list[str]):
+    from prep.tokens import load_tokenizer
+    from train.data import SampleStore, VisionSpec, collate
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    store = SampleStore(built_shards)
+    tok = load_tokenizer(str(model_dir))
+    tensors, _ = collate([store.get(i) for i in ids], VisionSpec.from_model_config(config),
+                         video_token_id=config.video_token_id, pad_token_id=tok.pad_token_id)
+    return tensors
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_supervised_only_loss_equals_model_loss(tiny_cache, built_shards, family):
+    """The loss from logits at supervised positions only is the model's own full-logits loss."""
+    from transformers import AutoModelForImageTextToText
+
+    from train.main import causal_lm_loss
+
+    model_dir = tiny_cache / f"tiny_{family}"
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    batch = _batch(model_dir, built_shards, ["vid_a/w0002", "vid_b/w0000"])  # different lengths: padding
+    with torch.no_grad():
+        ours = causal_lm_loss(model, batch)
+        theirs = causal_lm_loss(model, batch, full_logits=True)
+    assert torch.isfinite(ours)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def _rewrite_checkpoint(src: Path, dst: Path, rename) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    save_file({rename(k): v for k, v in tensors.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_load_check_reports_prefix_mapping_and_verifies_values(tiny_cache, tmp_path):
+    """A checkpoint laid out as `language_model.*` / `visual.*` (no `model.` prefix) loads through
+    transformers' key mapping; the check reports the mapping and every value matches."""
+    from transformers import AutoModelForImageTextToText
+
+    from train.load_check import check_load, verify_values
+
+    planted = _rewrite_checkpoint(tiny_cache / "tiny_qwen3_vl", tmp_path / "m", lambda k: k.removeprefix("model."))
+    model, info = AutoModelForImageTextToText.from_pretrained(planted, output_loading_info=True)
+    report, entries = check_load(model, planted, info)
+    assert report.prefix_changes.get("language_model.* -> model.language_model.*", 0) > 0, report.prefix_changes
+    assert report.prefix_changes.get("visual.* -> model.visual.*", 0) > 0, report.prefix_changes
+    assert "language_model.* -> model.language_model.*" in report.message()
+    assert verify_values(model, planted, report, entries) == report.entries
+    # one altered value is caught and named
+    with torch.no_grad():
+        dict(model.named_parameters())["model.visual.blocks.0.mlp.linear_fc1.bias"][0] += 1.0
+    with pytest.raises(Exception, match=r"visual\.blocks\.0\.mlp\.linear_fc1\.bias"):
+        verify_values(model, planted, report, entries)
+
+
+def test_load_check_names_a_renamed_key(tiny_cache, tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    from train.load_check import LoadError, check_load
+
+    bad = "model.language_model.layers.1.mlp.up_proj.weight"
+    planted = _rewrite_checkpoint(tiny_cache / "tiny_qwen3_vl", tmp_path / "m",
+                                  lambda k: k.replace("mlp.up_proj", "mlp.upp_proj") if k == bad else k)
+    model, info = AutoModelForImageTextToText.from_pretrained(planted, output_loading_info=True)
+    with pytest.raises(LoadError) as e:
+        check_load(model, planted, info)
+    assert "model.language_model.layers.1.mlp.upp_proj.weight" in str(e.value)  # the unexpected key
+    assert f"model parameter {bad} has no checkpoint key" in str(e.value)  # the parameter left at random init
+
+
+def test_memory_helper_and_simulated_oom(tmp_path, monkeypatch):
+    from train.memory import FAIL_ENV, PhaseMemory, all_ranks_memory, maybe_fail, peak_memory
+
+    stat = peak_memory()
+    assert stat.kind in ("cuda", "cpu_rss") and stat.alloc_gib > 0 and stat.reserved_gib >= stat.alloc_gib * 0.5
+    mem = PhaseMemory(tmp_path, rank=1)
+    mem.record("load")
+    assert all_ranks_memory(tmp_path)[0]["phase"] == "load"
+    monkeypatch.setenv(FAIL_ENV, "backward:3:1")
+    maybe_fail("backward", 3, 0)  # other rank: nothing
+    maybe_fail("forward", 3, 1)  # other phase: nothing
+    with pytest.raises(torch.OutOfMemoryError):
+        maybe_fail("backward", 3, 1)
+
+
+def test_run_record_fields(built_shards, tmp_path):
+    from train.run_record import build_run_record
+
+    rec = build_run_record(config={"a": 1}, ds_config={"zero_optimization": {"stage": 3}}, shards=built_shards,
+                           world_size=2, devices=[], model_dir="m", family="qwen3_vl", plan_summary="p")
+    for key in ("interpreter", "python", "packages", "git", "source_sha256", "argv", "env", "config",
+                "deepspeed_config", "manifest", "devices"):
+        assert key in rec
+    assert rec["packages"]["deepspeed"] and rec["packages"]["transformers"]
+    assert len(rec["manifest"]["build_json_sha256"]) == 64
+    assert "commit" in rec["git"] and "dirty" in rec["git"]
