@@ -110,18 +110,38 @@ def _shard_files(root: Path, build: dict, report: VerifyReport) -> set[str]:
     return intact
 
 
-def _read_tar(path: Path) -> dict[str, dict[str, bytes]]:
-    """key -> {extension: bytes} for every file member (a whole-shard read: verify looks at every byte)."""
-    out: dict[str, dict[str, bytes]] = defaultdict(dict)
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """A tar member as verify needs it: frames are parsed while streaming, bytes kept only where needed."""
+
+    data: bytes | None  # the JSON, and the frames of samples picked for re-decode
+    image: tuple[str, int, int] | None = None  # (format, width, height) of a frame
+    error: str = ""  # why a frame is not an image
+
+
+def _scan_tar(path: Path, keep: set[str]) -> dict[str, dict[str, Member]]:
+    """key -> {extension: Member} for every file member; frame bytes are kept for the keys in `keep` only,
+    so memory stays at one member, not one shard."""
+    out: dict[str, dict[str, Member]] = defaultdict(dict)
     with tarfile.open(path, "r:") as tar:
         for info in tar:
-            if info.isfile():
-                key, _, ext = info.name.partition(".")
-                out[key][ext] = tar.extractfile(info).read()
+            if not info.isfile():
+                continue
+            key, _, ext = info.name.partition(".")
+            data = tar.extractfile(info).read()
+            if ext == JSON_EXT:
+                out[key][ext] = Member(data=data)
+                continue
+            try:
+                with Image.open(io.BytesIO(data)) as img:
+                    image, error = (img.format, *img.size), ""
+            except (OSError, ValueError) as e:
+                image, error = None, str(e)
+            out[key][ext] = Member(data=data if key in keep else None, image=image, error=error)
     return out
 
 
-def _check_members(rec: SampleRecord, members: dict[str, bytes], report: VerifyReport) -> ShardSample | None:
+def _check_members(rec: SampleRecord, members: dict[str, Member], report: VerifyReport) -> ShardSample | None:
     """The sample's JSON and frames in its tar; returns the parsed JSON when it is readable."""
     problems = []
 
@@ -133,7 +153,7 @@ def _check_members(rec: SampleRecord, members: dict[str, bytes], report: VerifyR
         bad(f"member {rec.key}.{JSON_EXT} is missing")
     else:
         try:
-            meta = ShardSample.from_json(json.loads(members[JSON_EXT]))
+            meta = ShardSample.from_json(json.loads(members[JSON_EXT].data))
         except (ValueError, KeyError, TypeError) as e:
             bad(f"{rec.key}.{JSON_EXT} is not a sample record: {e}")
         else:
@@ -147,15 +167,13 @@ def _check_members(rec: SampleRecord, members: dict[str, bytes], report: VerifyR
     for ext in sorted(frames - expected):
         bad(f"unexpected member {rec.key}.{ext} (num_frames={rec.num_frames})")
     for ext in sorted(expected & frames):
-        try:
-            with Image.open(io.BytesIO(members[ext])) as img:
-                size, fmt = img.size, img.format
-        except (OSError, ValueError) as e:
-            bad(f"{rec.key}.{ext} is not an image: {e}")
+        m = members[ext]
+        if m.image is None:
+            bad(f"{rec.key}.{ext} is not an image: {m.error}")
             continue
         report.frames += 1
-        if fmt != "JPEG" or size != (rec.width, rec.height):
-            bad(f"{rec.key}.{ext} is {fmt} {size[0]}x{size[1]}, the record says JPEG {rec.width}x{rec.height}")
+        if m.image != ("JPEG", rec.width, rec.height):
+            bad(f"{rec.key}.{ext} is {m.image[0]} {m.image[1]}x{m.image[2]}, the record says JPEG {rec.width}x{rec.height}")
     report.problems.extend(problems)
     return meta
 
@@ -231,7 +249,7 @@ def _check_budget(rec: SampleRecord, probe, budget: VideoBudget, max_input_token
         bad(f"input_tokens {rec.input_tokens} > --max-input-tokens {max_input_tokens}")
 
 
-def _redecode(rec: SampleRecord, source: Path, members: dict[str, bytes], max_diff: float, report: VerifyReport) -> None:
+def _redecode(rec: SampleRecord, source: Path, members: dict[str, Member], max_diff: float, report: VerifyReport) -> None:
     """Plain decord (not the build's chunked decoder) + PIL bicubic, vs the stored JPEGs."""
     import decord
 
@@ -246,7 +264,7 @@ def _redecode(rec: SampleRecord, source: Path, members: dict[str, bytes], max_di
         img = Image.fromarray(frame)
         if img.size != (rec.width, rec.height):
             img = img.resize((rec.width, rec.height), Image.Resampling.BICUBIC)
-        with Image.open(io.BytesIO(members[frame_ext(i)])) as stored:
+        with Image.open(io.BytesIO(members[frame_ext(i)].data)) as stored:
             diffs.append(float(np.abs(np.asarray(stored.convert("RGB"), np.int16) - np.asarray(img, np.int16)).mean()))
     report.redecoded.append(rec.sample_id)
     report.max_redecode_diff = max(report.max_redecode_diff, *diffs)
@@ -306,8 +324,19 @@ def verify_shards(
                                            detail=f"manifest has {len(by_shard.get(name, []))} rows for this shard, "
                                                   f"build.json says {entry['samples']} samples"))
 
+    # sources first: the re-decode subset is picked before the tars are streamed, so only its frames are kept
+    video_root = Path(videos) if videos is not None else Path(config.get("videos", "."))
+    if skip_source:
+        report.skipped.append("budget recheck and re-decode: --skip-source")
+        probes = {}
+    else:
+        probes = _probe_sources(video_root, records, report)
+    candidates = sorted(r.sample_id for r in records if r.source_path in probes)
+    chosen = set(random.Random(seed).sample(candidates, min(redecode, len(candidates))))
+    keep_keys = {r.key for r in records if r.sample_id in chosen}
+
     tokenizer, pad_id = _tokenizer(build, report)
-    readable: dict[str, tuple[SampleRecord, dict[str, bytes]]] = {}
+    to_redecode: list[tuple[SampleRecord, dict[str, Member]]] = []
     for name in sorted(by_shard):
         rows = by_shard[name]
         if name not in listed:
@@ -316,7 +345,7 @@ def verify_shards(
                                                detail="the manifest names a shard build.json does not list"))
             continue
         try:
-            members = _read_tar(root / name)
+            members = _scan_tar(root / name, keep_keys)
         except (OSError, tarfile.TarError) as e:
             report.problems.append(Problem(check="members", shard=name, sample_id="",
                                            detail=f"tar cannot be read ({e}); its {len(rows)} samples are unchecked"))
@@ -330,21 +359,15 @@ def verify_shards(
             _check_record(rec, meta, budget, pad_id, report)
             if tokenizer is not None and meta is not None:
                 _check_tokens(rec, meta, tokenizer, report)
-            if sample and all(frame_ext(i) in sample for i in range(rec.num_frames)) and name in intact:
-                readable[rec.sample_id] = (rec, sample)
+            complete = all(frame_ext(i) in sample for i in range(rec.num_frames))
+            if rec.sample_id in chosen and complete and name in intact:
+                to_redecode.append((rec, sample))
 
-    if skip_source:
-        report.skipped.append("budget recheck and re-decode: --skip-source")
-        return report
-    video_root = Path(videos) if videos is not None else Path(config.get("videos", "."))
-    probes = _probe_sources(video_root, records, report)
     max_input_tokens = config.get("max_input_tokens")
     for rec in records:
         if rec.source_path in probes:
             _check_budget(rec, probes[rec.source_path], budget, max_input_tokens, report)
-    candidates = sorted(sid for sid, (rec, _) in readable.items() if rec.source_path in probes)
-    for sid in random.Random(seed).sample(candidates, min(redecode, len(candidates))):
-        rec, sample = readable[sid]
+    for rec, sample in to_redecode:
         _redecode(rec, video_root / rec.source_path, sample, max_diff, report)
     return report
 
