@@ -1,4 +1,5 @@
-"""End-to-end trainer runs on CPU: real DeepSpeed ZeRO-3 with 2 ranks (torchrun, DS_ACCELERATOR=cpu, gloo),
+"""End-to-end trainer runs on CPU: real DeepSpeed ZeRO-3 with 2 ranks (torchrun, and DeepSpeed's own launcher
+for the full fine-tune; DS_ACCELERATOR=cpu, gloo),
 the tiny random Qwen3-VL / Qwen3.5 models and copies of the `built_shards` fixture cut to N samples.
 
 Each run is a module-scoped fixture so several tests read one run; runs are a few steps each.
@@ -182,7 +183,7 @@ def test_full_finetune_qwen3_5_with_tail_pad_reloads_with_from_pretrained(five, 
 
     run = tmp_path / "run"
     proc = launch(_args(five, run, cache, "--model-family", "qwen3_5", "--finetune", "full", "--tail", "pad",
-                        "--lr", "1e-3"))
+                        "--lr", "1e-3"), launcher="deepspeed")
     assert proc.returncode == 0, explain(proc)
     assert "1 pad repeats" in proc.stdout
     ledger = events(run, 0, "ledger")

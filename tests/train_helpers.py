@@ -40,9 +40,14 @@ def train_env(extra: dict | None = None) -> dict:
     return env
 
 
-def launch(args: list[str], *, nproc: int = 2, env: dict | None = None, timeout: int = 400) -> subprocess.CompletedProcess:
-    """`torchrun --nproc_per_node nproc -m train.main ARGS` (nproc 0: plain `python -m train.main`)."""
-    if nproc:
+def launch(args: list[str], *, nproc: int = 2, env: dict | None = None, timeout: int = 400,
+           launcher: str = "torchrun") -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node nproc -m train.main ARGS`, or DeepSpeed's launcher (`deepspeed --num_gpus
+    nproc --module train.main ARGS`), or with nproc 0 plain `python -m train.main ARGS`."""
+    if nproc and launcher == "deepspeed":
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port",
+               str(free_port()), "--module", "train.main", *args]
+    elif nproc:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", "1",
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "train.main", *args]
     else:

@@ -71,7 +71,7 @@ class TrainConfig:
     seed: int = 0
     dtype: str = "bf16"  # bf16 | fp32 (parameters and compute; master weights stay fp32 in the optimizer)
     log_every: int = 1  # rank 0 prints every Nth step line (every line still goes to the per-rank log)
-    num_workers: int = 1  # data loader worker processes per rank (0 = read in the training process)
+    num_workers: int = 2  # data loader worker processes per rank (0 = read in the training process)
     full_logits: bool = False  # compute logits at every position (HF loss) instead of supervised ones only
 
     @property

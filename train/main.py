@@ -1,6 +1,7 @@
 """Fine-tune a Qwen3-VL / Qwen3.5 video model on a `prep build` output: one recipe, read top to bottom.
 
-    deepspeed [--num_gpus N] -m train.main --shards SHARDS --output-dir RUN [...]
+    deepspeed [--num_gpus N] --module train.main --shards SHARDS --output-dir RUN [...]
+      (DeepSpeed 0.19's launcher spells it --module; multi-node: add --hostfile FILE --num_nodes M)
     torchrun --nproc_per_node N -m train.main --shards SHARDS --output-dir RUN [...]
     python -m train.main --shards SHARDS --output-dir RUN [...]          # one process
     (CPU: DS_ACCELERATOR=cpu; ranks talk over gloo)
@@ -319,8 +320,9 @@ class Recipe:
         epoch_last = {p.epoch: p.first_global_step + p.num_steps - 1 for p in self.plans}
         from tqdm import tqdm
 
-        bar = tqdm(total=self.total_steps, initial=self.start_step, disable=self.rank != 0, desc="train",
-                   unit="step", dynamic_ncols=True)
+        # The bar is for a terminal; in a log file the per-step JSON lines are the progress.
+        bar = tqdm(total=self.total_steps, initial=self.start_step, disable=self.rank != 0 or not sys.stderr.isatty(),
+                   desc="train", unit="step", dynamic_ncols=True)
         self.log.bar = bar if self.rank == 0 else None
         engine.train()
         for global_step, epoch, _, accum in self.steps:
