@@ -177,3 +177,26 @@ def test_run_record_fields(built_shards, tmp_path):
     assert rec["packages"]["deepspeed"] and rec["packages"]["transformers"]
     assert len(rec["manifest"]["build_json_sha256"]) == 64
     assert "commit" in rec["git"] and "dirty" in rec["git"]
+
+
+def test_load_check_accepts_keys_the_model_class_ignores(tiny_cache, tmp_path):
+    """Qwen3.5 checkpoints carry a multi-token-prediction head (`mtp.*`) the model class ignores on purpose;
+    the same extra key in a Qwen3-VL checkpoint is an unexpected key."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForImageTextToText
+
+    from train.load_check import LoadError, check_load
+
+    for family, ok in (("qwen3_5", True), ("qwen3_vl", False)):
+        model_dir = tmp_path / family
+        shutil.copytree(tiny_cache / f"tiny_{family}", model_dir)
+        tensors = load_file(str(model_dir / "model.safetensors"))
+        tensors["mtp.fc.weight"] = torch.zeros(4, 4)
+        save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+        model, info = AutoModelForImageTextToText.from_pretrained(model_dir, output_loading_info=True)
+        if ok:
+            report, _ = check_load(model, model_dir, info)
+            assert sum(report.ignored.values()) == 1 and "not loaded on purpose" in report.message()
+        else:
+            with pytest.raises(LoadError, match=r"mtp\.fc\.weight"):
+                check_load(model, model_dir, info)

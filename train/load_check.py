@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import re
 import struct
 from collections import Counter
 from pathlib import Path
@@ -77,18 +78,22 @@ class LoadReport:
     prefix_changes: dict[str, int]  # "language_model.* -> model.language_model.*": keys
     tied: dict[str, str]  # checkpoint key mapped to a tied (shared) weight -> the name holding it
     converted: list[str]  # keys transformers combines/splits (not 1:1): shape/value checks skipped
+    ignored: dict[str, int]  # pattern from the model class's _keys_to_ignore_on_load_unexpected -> keys (e.g. ^mtp.*)
     partitioned: int  # parameters whose local shape is [0] (ZeRO-3)
     parameters: int  # model state-dict entries
 
     def message(self) -> str:
         lines = [f"load check: {self.entries} checkpoint entries -> {self.parameters} model tensors, all keys mapped, "
                  "logical shapes equal"]
-        same = self.entries - sum(self.prefix_changes.values()) - len(self.converted)
+        same = (self.entries - sum(self.prefix_changes.values()) - len(self.converted) - len(self.tied)
+                - sum(self.ignored.values()))
         lines.append(f"  {same} keys map 1:1")
         for rule, n in sorted(self.prefix_changes.items()):
             lines.append(f"  {n} keys renamed by transformers' key mapping: {rule}")
         for k, v in self.tied.items():
             lines.append(f"  {k} is tied to {v} (not a separate parameter)")
+        for pattern, n in sorted(self.ignored.items()):
+            lines.append(f"  {n} keys not loaded on purpose (the model class ignores {pattern})")
         if self.converted:
             lines.append(f"  {len(self.converted)} keys converted (not 1:1) by transformers; shapes not compared")
         if self.partitioned:
@@ -145,6 +150,9 @@ def check_load(model, model_dir: str | Path, loading_info: dict | None = None) -
             if vals:
                 problems.append(f"transformers reports {kind}: {', '.join(map(str, sorted(map(str, vals))[:20]))}")
 
+    ignore_unexpected = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
+    ignore_missing = list(getattr(model, "_keys_to_ignore_on_load_missing", None) or [])
+    ignored: Counter[str] = Counter()
     prefix_changes: Counter[str] = Counter()
     tied: dict[str, str] = {}
     covered: set[str] = set()
@@ -157,6 +165,10 @@ def check_load(model, model_dir: str | Path, loading_info: dict | None = None) -
             covered.add(name)
             continue
         if name not in state_names:
+            pattern = next((p for p in ignore_unexpected if re.search(p, key) or re.search(p, name)), None)
+            if pattern is not None:  # e.g. Qwen3.5's multi-token-prediction head `mtp.*`: not part of this model
+                ignored[pattern] += 1
+                continue
             hint = f" (renamed to {name})" if name != key else ""
             problems.append(f"checkpoint key {key}{hint} matches no model parameter (unexpected key)")
             continue
@@ -171,6 +183,8 @@ def check_load(model, model_dir: str | Path, loading_info: dict | None = None) -
     for name in sorted(state_names - covered):
         if name in tied_targets:
             continue  # e.g. lm_head.weight tied to the embedding, absent from the checkpoint
+        if any(re.search(p, name) for p in ignore_missing):
+            continue
         if name not in params and not _persistent_buffer(model, name):
             continue
         if converted:
@@ -181,7 +195,7 @@ def check_load(model, model_dir: str | Path, loading_info: dict | None = None) -
                         + "\n  - ".join(problems[:50]))
     partitioned = sum(1 for p in params.values() if hasattr(p, "ds_shape") and p.numel() == 0)
     report = LoadReport(entries=len(entries), mapping=one_to_one, prefix_changes=dict(prefix_changes), tied=tied,
-                        converted=converted, partitioned=partitioned, parameters=len(state_names))
+                        converted=converted, ignored=dict(ignored), partitioned=partitioned, parameters=len(state_names))
     return report, entries
 
 
