@@ -342,17 +342,17 @@ class Recipe:
                 self.phase = "first_forward" if global_step == self.start_step and not losses else "forward"
                 maybe_fail(self.phase, global_step, self.rank)
                 loss = self.forward_loss(tensors)
-                step_mem[self.phase] = _mem_json(self.memory.record(self.phase, global_step))
+                self._note_memory(step_mem, global_step)
 
                 self.phase = "backward"
                 maybe_fail(self.phase, global_step, self.rank)
                 engine.backward(loss)
-                step_mem[self.phase] = _mem_json(self.memory.record(self.phase, global_step))
+                self._note_memory(step_mem, global_step)
 
                 self.phase = "optimizer_step"
                 maybe_fail(self.phase, global_step, self.rank)
                 engine.step()  # DeepSpeed steps the optimizer (and clips) only at the accumulation boundary
-                step_mem[self.phase] = _mem_json(self.memory.record(self.phase, global_step))
+                self._note_memory(step_mem, global_step)
                 losses.append(loss.detach().float().item())
             self.global_step = global_step + 1
             self.current_meta = None
@@ -384,6 +384,15 @@ class Recipe:
                 self._check_epoch(epoch)
         bar.close()
         self.log.bar = None
+
+    def _note_memory(self, step_mem: dict[str, dict], step: int) -> None:
+        """Peak of the phase just finished (this rank), kept as the max over the step's micro-batches."""
+        stat = _mem_json(self.memory.record(self.phase, step))
+        old = step_mem.get(self.phase)
+        if old is not None:
+            stat = {**stat, "alloc_gib": max(stat["alloc_gib"], old["alloc_gib"]),
+                    "reserved_gib": max(stat["reserved_gib"], old["reserved_gib"])}
+        step_mem[self.phase] = stat
 
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return causal_lm_loss(self.engine, batch, full_logits=self.cfg.full_logits)
@@ -476,10 +485,12 @@ class Recipe:
         lines.append(f"  report: {self.run_dir / f'oom_rank{self.rank}.json'}")
         print("\n".join(lines), file=sys.stderr, flush=True)
 
-    def cleanup(self) -> None:
+    def cleanup(self, *, ok: bool) -> None:
         if getattr(self, "log", None) is not None:
             self.log.close()
-        if torch.distributed.is_initialized():
+        # After a failure other ranks may sit in a collective; tearing the group down could wait on them.
+        # The launcher ends them once this process exits non-zero.
+        if ok and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
 
@@ -517,6 +528,7 @@ def _mem_json(stat) -> dict:
 
 def run(cfg: TrainConfig) -> int:
     recipe = Recipe(cfg)
+    ok = False
     try:
         try:
             recipe.setup()
@@ -526,6 +538,7 @@ def run(cfg: TrainConfig) -> int:
             recipe.train()
             saved = recipe.save_final()
             recipe.summarize(saved)
+            ok = True
         except torch.OutOfMemoryError as e:
             recipe.report_oom(e)
             _mark_failed(recipe, "out_of_memory", str(e))
@@ -539,7 +552,7 @@ def run(cfg: TrainConfig) -> int:
             _mark_failed(recipe, type(e).__name__, str(e))
             return EXIT_USAGE
     finally:
-        recipe.cleanup()
+        recipe.cleanup(ok=ok)
     return 0
 
 
