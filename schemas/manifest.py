@@ -36,7 +36,7 @@ class SampleRecord:
     source_path: str  # video path relative to the build's --videos directory
     window_index: int  # 0-based position of the window in its video
     window_start_s: float  # source time where the window starts
-    window_end_s: float  # source time where the window ends (exclusive)
+    window_end_s: float  # source time where the window ends (a frame exactly here is sampled, as qwen-vl-utils does)
     num_frames: int  # frames fed to the model (even: temporal patch 2)
     frame_indices: list[int]  # source frame numbers decoded for this sample
     frame_times_s: list[float]  # source timestamps of those frames
