@@ -2,6 +2,7 @@
 verification (prefix mapping, planted renamed key), memory helper, run record. No DeepSpeed engine here."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -200,3 +201,19 @@ def test_load_check_accepts_keys_the_model_class_ignores(tiny_cache, tmp_path):
         else:
             with pytest.raises(LoadError, match=r"mtp\.fc\.weight"):
                 check_load(model, model_dir, info)
+
+
+def test_resume_refuses_a_checkpoint_with_another_plan_or_world_size(tmp_path):
+    """Checked before DeepSpeed touches the checkpoint: a different plan would not train the same samples."""
+    from train.checkpoint import ResumeError, TrainerState, load_checkpoint, rng_state, tag_for
+
+    ckpt = tmp_path / "checkpoints"
+    (ckpt / tag_for(3)).mkdir(parents=True)
+    (ckpt / "latest").write_text(tag_for(3))
+    state = TrainerState(global_step=3, plan_sha256="a" * 64, world_size=2, rng=rng_state())
+    torch.save(dataclasses.asdict(state), ckpt / tag_for(3) / "trainer_state_rank0.pt")
+    with pytest.raises(ResumeError) as e:
+        load_checkpoint(None, tmp_path, rank=0, world_size=4, plan_sha256="b" * 64)
+    assert "written by 2 ranks, this run has 4" in str(e.value) and "data plan differs" in str(e.value)
+    with pytest.raises(ResumeError, match="written by fewer ranks"):
+        load_checkpoint(None, tmp_path, rank=1, world_size=2, plan_sha256="a" * 64)
