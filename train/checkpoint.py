@@ -19,7 +19,6 @@ import dataclasses
 import hashlib
 import json
 import random
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -217,7 +216,3 @@ def carry_ledger(resume_dir: Path, run_dir: Path, rank: int, before_step: int) -
 
 def plan_fingerprint(plans) -> str:
     return hashlib.sha256(json.dumps([p.to_json() for p in plans], sort_keys=True).encode()).hexdigest()
-
-
-def remove_tree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=False)

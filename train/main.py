@@ -14,7 +14,6 @@ verify the load -> LoRA/full -> DeepSpeed engine (optimizer, scheduler) -> resum
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import socket
