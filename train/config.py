@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="train.main",
         description="Fine-tune a Qwen3-VL / Qwen3.5 video model on a `prep build` output with DeepSpeed. "
-        "Launch with `deepspeed -m train.main ...`, `torchrun -m train.main ...` or plain `python -m train.main` "
+        "Launch with `deepspeed --module train.main ...`, `torchrun -m train.main ...` or plain `python -m train.main` "
         "(one process). On CPU set DS_ACCELERATOR=cpu.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
