@@ -32,6 +32,7 @@ class VideoSpec:
     codec: str = "libx264"
     events: tuple[tuple[float, float], ...] = ()  # [start_s, end_s) spans where the square is visible
     seed: int = 0
+    square_frac: float = 1 / 3  # square side as a fraction of the shorter frame side
 
     @property
     def filename(self) -> str:
@@ -46,7 +47,7 @@ def render_frame(spec: VideoSpec, i: int, texture: np.ndarray) -> np.ndarray:
     frame = np.roll(texture, shift, axis=1)[:h, :w].copy()
     for k, (start, end) in enumerate(spec.events):
         if start <= t < end:
-            side = max(4, min(h, w) // 3)
+            side = max(4, int(min(h, w) * spec.square_frac + 1e-9))  # + 1e-9: 1/3 gives exactly // 3
             progress = (t - start) / max(end - start, 1e-6)
             x = int(progress * (w - side))
             y = (h - side) // 2
