@@ -4,7 +4,8 @@ The stages, each a small function (the worker below composes them per video):
     annotations.load_annotations -> probe.probe_video -> annotations.check_segments
     -> windows.make_windows -> answers.rebase_segments/format_answer        (parent: cheap, decides shards)
     -> plan_window (budget.plan_frames + tokens.tokenize_sample, frames lowered for --max-input-tokens)
-    -> decode.decode_windows + decode.encode_frame -> shards.ShardWriter   (workers: one shard per task)
+    -> decode.decode_windows -> decode.encode_windows -> shards.ShardWriter (workers: one shard per task;
+       a worker decodes the next window while its encode threads resize + JPEG the previous one)
 Every bad input becomes a RejectRecord with its stage, a machine reason and a human detail; code errors
 crash. Resume: a rerun skips shards whose stats.json exists; --overwrite rebuilds from scratch.
 """
@@ -21,12 +22,14 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 
 from prep import answers as answers_mod
 from prep.annotations import FORMATS, Annotation, check_segments, load_annotations, reject
 from prep.budget import PATCH_SIZE, FramePlan, VideoBudget, group_times, plan_frames
-from prep.decode import DecodeError, decode_windows, encode_frame
+from prep.decode import DecodeError, decode_windows, encode_windows
 from prep.probe import ProbeFailure, ProbeResult, probe_video
 from prep.shards import INPUT_REJECTS, ShardPaths, ShardWriter, assemble, group_videos, read_stats, shard_name, write_stats
 from prep.tokens import DEFAULT_QUERY, BUNDLED_TOKENIZER, TokenizedSample, load_tokenizer, special_id, tokenize_sample
@@ -84,7 +87,7 @@ class BuildConfig:
         if self.query_template is None:
             self.query_template = QVH_QUERY_TEMPLATE if self.format == "qvhighlights" else "{query}"
         if self.workers is None:
-            self.workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            self.workers = _cores()
 
     def problems(self) -> list[str]:
         """Everything wrong with this config at once (empty when valid)."""
@@ -168,7 +171,8 @@ class WorkerSettings:
     tokenizer: str | None
     max_input_tokens: int | None
     jpeg_quality: int
-    decode_threads: int
+    decode_threads: int  # decord threads per worker process
+    encode_threads: int  # resize + JPEG threads per worker process, running while the decoder works
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -289,8 +293,9 @@ def process_shard(task: ShardTask) -> dict:
     keys: set[str] = set()
     t = Counter()
     try:
-        for file_jobs in _by_file(task.videos):
-            _process_file(file_jobs, s, tokenizer, writer, records, rejects, keys, t)
+        with ThreadPoolExecutor(s.encode_threads, thread_name_prefix="encode") as pool:
+            for file_jobs in _by_file(task.videos):
+                _process_file(file_jobs, s, tokenizer, pool, writer, records, rejects, keys, t)
         write_records(paths.samples, records, SampleRecord)
         write_records(paths.rejects, rejects, RejectRecord)
         sha, size = writer.commit()  # the tar gets its final name only after its sidecars exist
@@ -312,7 +317,7 @@ def _by_file(videos: list[VideoJob]) -> list[list[VideoJob]]:
     return list(groups.values())
 
 
-def _process_file(jobs: list[VideoJob], s: WorkerSettings, tokenizer, writer: ShardWriter,
+def _process_file(jobs: list[VideoJob], s: WorkerSettings, tokenizer, pool: Executor, writer: ShardWriter,
                   records: list[SampleRecord], rejects: list[RejectRecord], keys: set[str], t: Counter) -> None:
     """Every window of every annotation of one file, decoded in one forward pass over the file."""
     t0 = time.perf_counter()
@@ -328,15 +333,14 @@ def _process_file(jobs: list[VideoJob], s: WorkerSettings, tokenizer, writer: Sh
     done = 0
     probe = jobs[0].probe
     if planned:
+        decoded = _timed(decode_windows(probe.path, [p[2].frame_indices for p in planned], num_threads=s.decode_threads),
+                         t, "decode_s")
+        sizes = [(p[2].height, p[2].width) for p in planned]
         t0 = time.perf_counter()
         try:
-            frames_iter = decode_windows(probe.path, [p[2].frame_indices for p in planned], width=probe.width,
-                                         height=probe.height, num_threads=s.decode_threads)
-            for pos, frames in frames_iter:
-                t1 = time.perf_counter()
-                t["decode_s"] += t1 - t0
+            for pos, jpegs, encode_s in encode_windows(decoded, sizes, s.jpeg_quality, pool):
+                t["encode_s"] += encode_s
                 video, job, plan, times, tok = planned[pos]
-                jpegs = [encode_frame(f, plan.height, plan.width, s.jpeg_quality) for f in frames]
                 key = sample_key(video.video_id, job.window.index)
                 if key in keys:
                     key += "_" + hashlib.sha1(video.video_id.encode()).hexdigest()[:8]
@@ -345,19 +349,31 @@ def _process_file(jobs: list[VideoJob], s: WorkerSettings, tokenizer, writer: Sh
                 writer.add(ShardSample(record=record, input_ids=tok.input_ids, prompt_tokens=tok.prompt_tokens), jpegs)
                 records.append(record)
                 done += 1
-                t0 = time.perf_counter()
-                t["encode_s"] += t0 - t1
                 t["frames"] += len(jpegs)
         except DecodeError as e:
             for video, job, *_ in planned[done:]:
                 rejects.append(reject(video.video_id, video.source_path, "decode_error",
                                       f"window {job.window.index} ({job.window.start_s:.2f}-{job.window.end_s:.2f} s) "
                                       f"not written: {e}", stage="decode"))
+        t["pipeline_s"] += time.perf_counter() - t0  # decode, encode and write overlapped: < decode_s + encode_s
     t["videos"] += len(jobs)
     t["windows"] += done
     t["source_s"] += probe.duration_s
     if _progress is not None:
         _progress((len(jobs), done, probe.duration_s))
+
+
+def _timed(items: Iterator, t: Counter, key: str) -> Iterator:
+    """Pass items through, adding the seconds spent producing them to t[key]."""
+    while True:
+        t0 = time.perf_counter()
+        try:
+            item = next(items)
+        except StopIteration:
+            return
+        finally:
+            t[key] += time.perf_counter() - t0
+        yield item
 
 
 def _record(video: VideoJob, job: WindowJob, plan: FramePlan, times: list[float], tok: TokenizedSample,
@@ -432,6 +448,22 @@ def _versions() -> dict:
     return out
 
 
+def worker_threads(workers: int) -> tuple[int, int]:
+    """(decode, encode) threads per worker process: the cores left to each worker, split in two halves.
+
+    On this project's 2-core bench machine one worker gets 1 decord thread + 1 encode thread: 1 decord thread
+    decodes as fast as 2 there and costs ~25% less CPU (BENCHMARKS.md, Prep), and the second core runs
+    resize + JPEG. With more workers than cores each still gets one of each (the encoder mostly waits).
+    """
+    per_worker = max(1, _cores() // workers)
+    decode = max(1, per_worker // 2)
+    return decode, max(1, per_worker - decode)
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def _map(pool, fn, items: list) -> list:
     return [fn(x) for x in items] if pool is None else pool.map(fn, items, chunksize=1)
 
@@ -484,9 +516,10 @@ def build(config: BuildConfig) -> dict:
         _check_plan(out, config, groups)
         write_records(out / INPUT_REJECTS, input_rejects, RejectRecord)
 
+        decode_threads, encode_threads = worker_threads(config.workers)
         settings = WorkerSettings(budget=budget, tokenizer=str(config.tokenizer) if config.tokenizer else None,
                                   max_input_tokens=config.max_input_tokens, jpeg_quality=config.jpeg_quality,
-                                  decode_threads=max(1, (os.cpu_count() or 1) // config.workers))
+                                  decode_threads=decode_threads, encode_threads=encode_threads)
         tasks = [ShardTask(index=i, out=out, videos=[by_id[v] for v in g], settings=settings) for i, g in enumerate(groups)]
         pending = [t for t in tasks if not t.paths.is_complete()]
         t0 = time.perf_counter()

