@@ -2,10 +2,10 @@
 
 Two small stages, composed by the build per video file:
     decode_windows  one decord reader walks the windows in time order; each window fetches only the frames
-                    the previous window did not have (overlapping windows share decoded frames), so at most
-                    about two windows of raw RGB are alive
+                    the previous window did not have (overlapping windows share decoded frames)
     encode_windows  resize + JPEG of each window's frames in a thread pool, up to `ahead` windows behind the
-                    decoder; results come out in window order, so the tar bytes do not depend on threads
+                    decoder; results come out in window order, so the tar bytes do not depend on threads.
+                    Raw RGB of at most ahead + 1 windows is alive (3 by default), whatever the video's length
 Both decord (its C++ calls, made through ctypes) and PIL (resize, JPEG encode) release the GIL, so on a
 worker with two cores the decoder and the encoder run at the same time; decoding one window at a time is
 what lets the encoder start before the whole video is decoded.
