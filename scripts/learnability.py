@@ -59,7 +59,7 @@ class Profile:
 
 PROFILES = {
     "ci": Profile(train_videos=48, test_videos=10, steps=400, batch_size=8),
-    "full": Profile(train_videos=400, test_videos=60, steps=1500, batch_size=8, min_valid_rate=0.95, min_miou=0.5),
+    "full": Profile(train_videos=400, test_videos=60, steps=1500, batch_size=16, min_valid_rate=0.95, min_miou=0.5),
 }
 
 
@@ -113,7 +113,7 @@ def train(shards: Path, model_dir: Path, run_dir: Path, p: Profile, *, cuda: boo
            "--model", str(model_dir), "--finetune", "full", "--unfreeze-vision", "--max-steps", str(steps),
            "--micro-batch-size", str(p.batch_size), "--lr", str(p.lr), "--warmup-steps", str(p.warmup_steps),
            "--min-lr-ratio", "0.1", "--tail", "pad", "--zero-stage", "0", "--no-gradient-checkpointing",
-           "--dtype", "bf16" if cuda else "fp32", "--log-every", "25", "--num-workers", "1"]
+           "--dtype", "bf16" if cuda else "fp32", "--log-every", "25", "--num-workers", "4" if cuda else "1"]
     env = dict(os.environ)
     if not cuda:
         env["DS_ACCELERATOR"] = "cpu"
