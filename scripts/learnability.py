@@ -52,13 +52,14 @@ class Profile:
     batch_size: int = 4
     lr: float = 5e-3
     warmup_steps: int = 20
+    train_vision: bool = True  # also train the vision tower (else only its mergers: a cheaper backward on CPU)
     max_new_tokens: int = 40
-    min_valid_rate: float = 0.8
+    min_valid_rate: float = 0.7  # ci measured 0.87 / mIoU 0.47 (BENCHMARKS.md); full: 0.99 / 0.88
     min_miou: float = 0.25
 
 
 PROFILES = {
-    "ci": Profile(train_videos=48, test_videos=10, steps=400, batch_size=8),
+    "ci": Profile(train_videos=48, test_videos=10, steps=400, batch_size=8, min_valid_rate=0.7, min_miou=0.25),
     "full": Profile(train_videos=400, test_videos=60, steps=1500, batch_size=16, min_valid_rate=0.95, min_miou=0.5),
 }
 
@@ -110,10 +111,12 @@ def predict_and_score(model_dir: Path, shards: Path, out: Path, p: Profile, devi
 def train(shards: Path, model_dir: Path, run_dir: Path, p: Profile, *, cuda: bool, steps: int, log: Path) -> Path:
     """train.main in its own process (it owns a process group); returns the saved full model directory."""
     cmd = [sys.executable, "-m", "train.main", "--shards", str(shards), "--output-dir", str(run_dir),
-           "--model", str(model_dir), "--finetune", "full", "--unfreeze-vision", "--max-steps", str(steps),
+           "--model", str(model_dir), "--finetune", "full", "--unfreeze-merger", "--max-steps", str(steps),
            "--micro-batch-size", str(p.batch_size), "--lr", str(p.lr), "--warmup-steps", str(p.warmup_steps),
            "--min-lr-ratio", "0.1", "--tail", "pad", "--zero-stage", "0", "--no-gradient-checkpointing",
-           "--dtype", "bf16" if cuda else "fp32", "--log-every", "25", "--num-workers", "4" if cuda else "1"]
+           "--dtype", "bf16" if cuda else "fp32", "--log-every", "25", "--num-workers", "4" if cuda else "0"]
+    if p.train_vision:
+        cmd.append("--unfreeze-vision")
     env = dict(os.environ)
     if not cuda:
         env["DS_ACCELERATOR"] = "cpu"
