@@ -1,7 +1,7 @@
 """Learnability, ci profile: the whole pipeline (synthetic videos -> prep build -> train.main -> predict ->
 evaluate) must teach a small random Qwen3-VL to find the visible events on held-out videos.
 
-The slowest test of the suite (about 3-5 minutes on 2 CPU cores): marked `slow` and `learnability`, so
+The slowest test of the suite (about 1.5 minutes on 2 idle CPU cores, several under load): marked `slow` and `learnability`, so
 `pytest -m "not learnability"` skips it. The full profile (GPU) and its numbers live in BENCHMARKS.md.
 """
 from __future__ import annotations
