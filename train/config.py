@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lora-dropout", type=float, default=d.lora_dropout, help="dropout on the LoRA input")
     g.add_argument("--lora-targets", default=d.lora_targets,
                    help="regex over module names that get LoRA (default: the language model's linear layers)")
-    g.add_argument("--unfreeze-vision", action="store_true", help="also train the vision tower (frozen by default in both modes)")
+    g.add_argument("--unfreeze-vision", action="store_true", help="also train the vision blocks (frozen by default in both modes; the mergers need --unfreeze-merger)")
     g.add_argument("--unfreeze-merger", action="store_true", help="also train the vision-to-language merger(s) (frozen by default)")
     g.add_argument("--full-logits", action="store_true",
                    help="compute logits at every position and use the model's own loss (default: only at "
