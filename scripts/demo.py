@@ -42,7 +42,7 @@ def run(stage: str, args: list[str], log: Path) -> None:
     if proc.returncode:
         sys.exit(f"{stage} failed (exit {proc.returncode}): {' '.join(cmd)}\n--- last lines of {log}:\n"
                  + "\n".join(log.read_text().splitlines()[-30:]))
-    print(f"{stage:<9} ok in {time.time() - t0:5.1f}s  ({' '.join(args[:1])}, log: {log})", flush=True)
+    print(f"{stage:<9} ok in {time.time() - t0:5.1f}s  (python -m {' '.join(args[:2])}, log: {log})", flush=True)
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from scripts.synth_videos import VideoSpec, event_specs, write_video
+from scripts.synth_videos import event_specs, write_video
 
 TRAIN_SEED, TEST_SEED = 11, 23  # different seeds: held-out videos share no texture or event times with train
 

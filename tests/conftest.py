@@ -43,3 +43,14 @@ def built_shards(synth_videos_dir, tmp_path_factory) -> Path:
     summary = build(BuildConfig(videos=synth_videos_dir, out=out, **BUILT_SHARDS_ARGS))
     assert summary["samples"] == 12 and summary["rejects"] == 0, summary
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory) -> Path:
+    """A cache dir holding both tiny random models (tiny_qwen3_vl, tiny_qwen3_5); read-only for tests."""
+    from train.models import ensure_tiny_model
+
+    cache = tmp_path_factory.mktemp("tiny_models")
+    for family in ("qwen3_vl", "qwen3_5"):
+        ensure_tiny_model(family, cache)
+    return cache

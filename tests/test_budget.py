@@ -19,7 +19,6 @@ import math
 import types
 from unittest import mock
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings

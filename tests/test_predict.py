@@ -16,14 +16,13 @@ from train import export as ex
 from train import predict as pr
 from train.answer_parse import parse_output
 from train.data import SampleStore, VisionSpec, collate
-from train.models import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def tiny_vl(tmp_path_factory):
-    return ensure_tiny_model("qwen3_vl", tmp_path_factory.mktemp("models"))
+def tiny_vl(tiny_cache):
+    return tiny_cache / "tiny_qwen3_vl"
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +86,9 @@ def _last_logits(model, tensors):
 
 
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
-def test_left_padded_batch_matches_single_samples(family, built_shards, tmp_path_factory):
+def test_left_padded_batch_matches_single_samples(family, built_shards, tiny_cache):
     """Next-token logits of a left-padded batch equal those of each sample alone (positions, masks, M-RoPE)."""
-    model_dir = ensure_tiny_model(family, tmp_path_factory.mktemp("models"))
+    model_dir = tiny_cache / f"tiny_{family}"
     model = pr.load_model(model_dir, None, torch.device("cpu"), torch.float32)
     tok = load_tokenizer(str(model_dir))
     spec = VisionSpec.from_model_config(model.config)
@@ -197,11 +196,11 @@ def test_oracle_answers_score_perfectly(built_shards, tmp_path):
     assert report["format"]["valid_rate"] == 1.0
 
 
-def test_cli_qwen3_5_with_adapter(built_shards, tmp_path_factory, tmp_path, capsys):
+def test_cli_qwen3_5_with_adapter(built_shards, tiny_cache, tmp_path, capsys):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForImageTextToText
 
-    model_dir = ensure_tiny_model("qwen3_5", tmp_path_factory.mktemp("models"))
+    model_dir = tiny_cache / "tiny_qwen3_5"
     base = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32)
     get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(str(tmp_path / "run" / "adapter"))
     out = tmp_path / "preds.jsonl"

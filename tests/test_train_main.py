@@ -20,13 +20,8 @@ ONE = ["vid_a/w0002"]
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    from train.models import ensure_tiny_model
-
-    cache = tmp_path_factory.mktemp("tiny_models")
-    for family in ("qwen3_vl", "qwen3_5"):
-        ensure_tiny_model(family, cache)
-    return cache
+def cache(tiny_cache) -> Path:
+    return tiny_cache
 
 
 @pytest.fixture(scope="module")

@@ -20,16 +20,6 @@ from train.config import (
 )
 
 
-@pytest.fixture(scope="session")
-def tiny_cache(tmp_path_factory) -> Path:
-    from train.models import ensure_tiny_model
-
-    cache = tmp_path_factory.mktemp("tiny_models")
-    for family in ("qwen3_vl", "qwen3_5"):
-        ensure_tiny_model(family, cache)
-    return cache
-
-
 def test_config_reports_every_problem_at_once(tmp_path):
     with pytest.raises(ConfigError) as e:
         parse_config(["--shards", str(tmp_path / "nope"), "--output-dir", str(tmp_path / "run"), "--lr", "0",
