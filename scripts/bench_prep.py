@@ -126,10 +126,8 @@ def _floor_one(job: tuple[str, list[int], int]) -> int:
 
 
 def _pool_map(fn, items: list, workers: int, init=None, initargs=()) -> list:
-    if workers == 1:
-        if init is not None:
-            init(*initargs)
-        return [fn(x) for x in items]
+    # Always in child processes, also for one worker: a parent that has run torch/OpenMP ops and then forks
+    # can deadlock its children (seen on a 16-core machine: fetch with 4 workers after 1 never finished).
     with multiprocessing.get_context("fork").Pool(workers, initializer=init, initargs=initargs) as pool:
         return pool.map(fn, items, chunksize=1)
 
