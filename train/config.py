@@ -12,7 +12,8 @@ import json
 import re
 from pathlib import Path
 
-TAILS = ("error", "pad", "drop")
+from train.plan import TAILS, batching_problems
+
 FINETUNE = ("lora", "full")
 DTYPES = ("bf16", "fp32")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -114,14 +115,8 @@ class TrainConfig:
             p.append(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if self.max_grad_norm < 0:
             p.append(f"--max-grad-norm must be >= 0, got {self.max_grad_norm}")
-        if self.tail not in TAILS:
-            p.append(f"--tail {self.tail!r}: choose one of {'|'.join(TAILS)}")
-        if self.max_tokens_per_batch is not None:
-            if self.max_tokens_per_batch < 1:
-                p.append(f"--max-tokens-per-batch must be >= 1, got {self.max_tokens_per_batch}")
-            if self.micro_batch_size != 1:
-                p.append("--max-tokens-per-batch and --micro-batch-size > 1 are exclusive "
-                         "(the token budget decides how many samples a micro-batch holds)")
+        p += batching_problems(tail=self.tail, micro_batch_size=self.micro_batch_size,
+                               max_tokens_per_batch=self.max_tokens_per_batch)
         if self.finetune not in FINETUNE:
             p.append(f"--finetune {self.finetune!r}: choose one of {'|'.join(FINETUNE)}")
         if not 0 <= self.lora_dropout < 1:

@@ -28,6 +28,29 @@ class PlanError(ValueError):
     """The samples cannot be laid out as asked; the message says the numbers and the options."""
 
 
+def batching_problems(*, tail: str, micro_batch_size: int, max_tokens_per_batch: int | None,
+                      max_samples_per_batch: int | None = None) -> list[str]:
+    """The tail and token-budget rules, shared by PlanConfig and the trainer's up-front flag check."""
+    problems: list[str] = []
+    if tail not in TAILS:
+        problems.append(f"tail must be one of {'|'.join(TAILS)}, got {tail!r}")
+    if max_tokens_per_batch is not None:
+        if max_tokens_per_batch < 1:
+            problems.append(f"max_tokens_per_batch must be >= 1, got {max_tokens_per_batch}")
+        if micro_batch_size != 1:
+            problems.append(
+                f"micro_batch_size={micro_batch_size} and max_tokens_per_batch={max_tokens_per_batch} "
+                "are exclusive: with a token budget micro-batches hold a variable number of samples "
+                "(cap it with max_samples_per_batch)"
+            )
+    if max_samples_per_batch is not None:
+        if max_tokens_per_batch is None:
+            problems.append("max_samples_per_batch only applies with max_tokens_per_batch")
+        elif max_samples_per_batch < 1:
+            problems.append(f"max_samples_per_batch must be >= 1, got {max_samples_per_batch}")
+    return problems
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlanConfig:
     """How samples become steps. Validated at construction."""
@@ -45,22 +68,9 @@ class PlanConfig:
         for name in ("world_size", "micro_batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.tail not in TAILS:
-            problems.append(f"tail must be one of {'|'.join(TAILS)}, got {self.tail!r}")
-        if self.max_tokens_per_batch is not None:
-            if self.max_tokens_per_batch < 1:
-                problems.append(f"max_tokens_per_batch must be >= 1, got {self.max_tokens_per_batch}")
-            if self.micro_batch_size != 1:
-                problems.append(
-                    f"micro_batch_size={self.micro_batch_size} and max_tokens_per_batch={self.max_tokens_per_batch} "
-                    "are exclusive: with a token budget micro-batches hold a variable number of samples "
-                    "(cap it with max_samples_per_batch)"
-                )
-        if self.max_samples_per_batch is not None:
-            if self.max_tokens_per_batch is None:
-                problems.append("max_samples_per_batch only applies with max_tokens_per_batch")
-            elif self.max_samples_per_batch < 1:
-                problems.append(f"max_samples_per_batch must be >= 1, got {self.max_samples_per_batch}")
+        problems += batching_problems(tail=self.tail, micro_batch_size=self.micro_batch_size,
+                                      max_tokens_per_batch=self.max_tokens_per_batch,
+                                      max_samples_per_batch=self.max_samples_per_batch)
         if problems:
             raise PlanError("invalid plan config: " + "; ".join(problems))
 
