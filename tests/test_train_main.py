@@ -38,8 +38,8 @@ def _args(shards: Path, run: Path, cache: Path, *extra: str) -> list[str]:
     return ["--shards", str(shards), "--output-dir", str(run), "--cache-dir", str(cache), "--num-workers", "1", *extra]
 
 
-# LoRA on tiny Qwen3-VL, 5 samples on 2 ranks with --tail drop: 2 steps per epoch, 3 epochs, checkpoint at 3.
-DROP_ARGS = ("--model-family", "qwen3_vl", "--tail", "drop", "--epochs", "3", "--save-every", "3", "--lr", "1e-3")
+# LoRA on tiny Qwen3-VL, 5 samples on 2 ranks with --tail drop: 2 steps per epoch, 3 epochs, checkpoints at 2, 4.
+DROP_ARGS = ("--model-family", "qwen3_vl", "--tail", "drop", "--epochs", "3", "--save-every", "2", "--lr", "1e-3")
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +51,17 @@ def drop_run(five, cache, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def resumed_run(five, cache, tmp_path_factory):
-    """The same run killed by a (simulated) OOM on rank 1 at step 4, then resumed in place."""
+    """The same run killed by a (simulated) OOM on rank 1 at step 4, its newest checkpoint (step 4) then damaged
+    as a kill between `latest` and the trainer state would leave it (rank 1's state gone, `latest` emptied),
+    then resumed in place: it must resume from the previous complete checkpoint (step 2)."""
     run = tmp_path_factory.mktemp("resumed_run")
     crashed = launch(_args(five, run, cache, *DROP_ARGS), env={"VIDEO_ORA_FAIL_AT": "forward:4:1"})
     oom = json.loads((run / "oom_rank1.json").read_text()) if (run / "oom_rank1.json").exists() else None
     crash_steps = {r: steps(run, r) for r in (0, 1)}
+    newest = run / "checkpoints" / "step000004"
+    if newest.is_dir():  # else the crash came too early; the tests below say so
+        (newest / "trainer_state_rank1.pt").unlink()
+        (run / "checkpoints" / "latest").write_text("")
     resumed = launch(_args(five, run, cache, *DROP_ARGS, "--resume", str(run)))
     return crashed, oom, crash_steps, resumed, run
 
@@ -96,7 +102,11 @@ def test_lora_run_plans_trains_verifies_and_saves(drop_run):
     assert rec["config"]["tail"] == "drop" and rec["env"]["DS_ACCELERATOR"] == "cpu"
     assert len(rec["manifest"]["build_json_sha256"]) == 64 and rec["model"]["family"] == "qwen3_vl"
     assert set(rec["memory"]) == {"rank0", "rank1"} and "load" in rec["memory"]["rank1"]
-    assert (run / "checkpoints" / "step000003" / "trainer_state_rank1.pt").exists()
+    for tag in ("step000002", "step000004"):  # complete: checkpoint.json lists both ranks' files, `latest` after it
+        marker = json.loads((run / "checkpoints" / tag / "checkpoint.json").read_text())
+        assert {"trainer_state_rank0.pt", "trainer_state_rank1.pt"} <= set(marker["files"]) and marker["world_size"] == 2
+        assert any(name.endswith("optim_states.pt") for name in marker["files"]), marker["files"]
+    assert (run / "checkpoints" / "latest").read_text() == "step000004"
     assert (run / "adapter" / "adapter_config.json").exists()
 
 
@@ -135,16 +145,22 @@ def test_oom_is_reported_with_phase_samples_and_every_rank(resumed_run):
     assert "OUT OF MEMORY in phase forward at global step 4" in crashed.stderr
 
 
-def test_resume_trains_the_same_samples_with_the_same_loss(drop_run, resumed_run):
+def test_resume_skips_a_damaged_checkpoint_and_trains_the_same_samples_with_the_same_loss(drop_run, resumed_run):
+    from safetensors.torch import load_file
+
     proc, run_a = drop_run
     crashed, _, crash_steps, resumed, run_b = resumed_run
     assert proc.returncode == 0 and resumed.returncode == 0, explain(resumed)
-    assert "resumed from" in resumed.stdout and "at global step 3 of 6" in resumed.stdout
+    assert "resume: skipped checkpoint step000004: trainer_state_rank1.pt is missing" in resumed.stdout
+    assert "/checkpoints/step000002 at global step 2 of 6" in resumed.stdout
+    (resume,) = [e for e in events(run_b, 1, "resume")]
+    assert resume["checkpoint"] == "step000002" and resume["latest"] == ""
+    assert resume["skipped"] == [{"tag": "step000004", "reason": "trainer_state_rank1.pt is missing"}]
     for r in (0, 1):
         a, b = steps(run_a, r), steps(run_b, r)
         # the crashed attempt trained steps 0..3 (rank 1 died in step 4) exactly like the uninterrupted run
-        assert [crash_steps[r][s]["loss"] for s in range(3)] == [a[s]["loss"] for s in range(3)]
-        for s in (3, 4, 5):
+        assert [crash_steps[r][s]["loss"] for s in range(4)] == [a[s]["loss"] for s in range(4)]
+        for s in (2, 3, 4, 5):
             last_b = b[s]  # the resumed run's line for step s (the log keeps the crashed attempt's lines too)
             assert last_b["sample_ids"] == a[s]["sample_ids"]
             assert last_b["loss"] == pytest.approx(a[s]["loss"], abs=1e-6), (r, s, last_b["loss"], a[s]["loss"])
@@ -154,6 +170,12 @@ def test_resume_trains_the_same_samples_with_the_same_loss(drop_run, resumed_run
     assert ledger and all(e["ok"] for e in ledger), ledger
     lines = [json.loads(x) for x in (run_b / "ledger" / "rank1.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == list(range(6))
+    # the same adapter as the run that was never interrupted; the step-4 checkpoint was written anew
+    adapter_a = load_file(str(run_a / "adapter" / "adapter_model.safetensors"))
+    adapter_b = load_file(str(run_b / "adapter" / "adapter_model.safetensors"))
+    assert adapter_a.keys() == adapter_b.keys()
+    assert all(torch.allclose(adapter_a[k], adapter_b[k], rtol=0, atol=1e-6) for k in adapter_a)
+    assert (run_b / "checkpoints" / "step000004" / "trainer_state_rank1.pt").exists()
 
 
 def test_one_sample_on_two_ranks_fails_before_load(one, cache, tmp_path):

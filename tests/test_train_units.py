@@ -193,17 +193,55 @@ def test_load_check_accepts_keys_the_model_class_ignores(tiny_cache, tmp_path):
                 check_load(model, model_dir, info)
 
 
+def _fake_checkpoint(root, step, *, world_size=2, plan="a" * 64, marker=True):
+    """A checkpoint directory as save_checkpoint leaves it, without DeepSpeed: one model file + trainer states."""
+    from train.checkpoint import MARKER, CheckpointMarker, TrainerState, rng_state, tag_for, trainer_state_name
+
+    ckpt = root / "checkpoints" / tag_for(step)
+    ckpt.mkdir(parents=True)
+    (ckpt / "mp_rank_00_model_states.pt").write_bytes(b"x" * 100)
+    for r in range(world_size):
+        state = TrainerState(global_step=step, plan_sha256=plan, world_size=world_size, rng=rng_state())
+        torch.save(dataclasses.asdict(state), ckpt / trainer_state_name(r))
+    if marker:
+        files = {p.name: p.stat().st_size for p in ckpt.iterdir()}
+        m = CheckpointMarker(tag=ckpt.name, global_step=step, world_size=world_size, plan_sha256=plan, files=files)
+        (ckpt / MARKER).write_text(json.dumps(dataclasses.asdict(m)))
+    return ckpt
+
+
+def test_resume_takes_the_newest_complete_checkpoint_and_says_why_it_skipped_newer_ones(tmp_path):
+    from train.checkpoint import ResumeError, find_checkpoint
+
+    _fake_checkpoint(tmp_path, 2)
+    (_fake_checkpoint(tmp_path, 4) / "trainer_state_rank1.pt").unlink()  # killed between `latest` and our state
+    _fake_checkpoint(tmp_path, 6, marker=False)  # killed before checkpoint.json
+    with open(_fake_checkpoint(tmp_path, 8) / "mp_rank_00_model_states.pt", "ab") as f:
+        f.write(b"more")  # a file changed after the marker vouched for it
+    (_fake_checkpoint(tmp_path, 10) / "checkpoint.json").write_text("{not json")
+    (tmp_path / "checkpoints" / "latest").write_text("")  # emptied
+    choice = find_checkpoint(tmp_path)
+    assert choice.tag == "step000002" and choice.latest == ""
+    assert [s["tag"] for s in choice.skipped] == ["step000010", "step000008", "step000006", "step000004"]
+    reasons = [s["reason"] for s in choice.skipped]
+    assert reasons[0].startswith("checkpoint.json is unreadable (JSONDecodeError")
+    assert reasons[1] == "mp_rank_00_model_states.pt is 104 bytes, checkpoint.json says 100"
+    assert reasons[2].startswith("no checkpoint.json (the save did not finish")
+    assert reasons[3] == "trainer_state_rank1.pt is missing"
+
+    (tmp_path / "checkpoints" / "step000002" / "checkpoint.json").unlink()
+    with pytest.raises(ResumeError, match=r"no complete checkpoint \(step000010: .*step000002: no checkpoint.json"):
+        find_checkpoint(tmp_path)
+    with pytest.raises(ResumeError, match="has no checkpoint"):
+        find_checkpoint(tmp_path / "elsewhere")
+
+
 def test_resume_refuses_a_checkpoint_with_another_plan_or_world_size(tmp_path):
     """Checked before DeepSpeed touches the checkpoint: a different plan would not train the same samples."""
-    from train.checkpoint import ResumeError, TrainerState, load_checkpoint, rng_state, tag_for
+    from train.checkpoint import ResumeError, find_checkpoint, load_checkpoint
 
-    ckpt = tmp_path / "checkpoints"
-    (ckpt / tag_for(3)).mkdir(parents=True)
-    (ckpt / "latest").write_text(tag_for(3))
-    state = TrainerState(global_step=3, plan_sha256="a" * 64, world_size=2, rng=rng_state())
-    torch.save(dataclasses.asdict(state), ckpt / tag_for(3) / "trainer_state_rank0.pt")
+    _fake_checkpoint(tmp_path, 3)
     with pytest.raises(ResumeError) as e:
-        load_checkpoint(None, tmp_path, rank=0, world_size=4, plan_sha256="b" * 64)
+        load_checkpoint(None, find_checkpoint(tmp_path), rank=0, world_size=4, plan_sha256="b" * 64)
     assert "written by 2 ranks, this run has 4" in str(e.value) and "data plan differs" in str(e.value)
-    with pytest.raises(ResumeError, match="written by fewer ranks"):
-        load_checkpoint(None, tmp_path, rank=1, world_size=2, plan_sha256="a" * 64)
+

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from train.checkpoint import (
     ResumeError,
     carry_ledger,
+    find_checkpoint,
     load_checkpoint,
     plan_fingerprint,
     save_adapter,
@@ -133,6 +134,12 @@ class Recipe:
             self.log.say(p.describe())
         if self.rank == 0:
             write_json(self.run_dir / "plan.json", {"plans": [p.to_json() for p in self.plans]})
+        # The checkpoint to resume from is chosen now, so "nothing to resume" fails before the load: the newest
+        # complete one (checkpoint.json present, every file it lists at its size), whatever `latest` says.
+        self.resume_from = find_checkpoint(cfg.resume) if cfg.resume is not None else None
+        for skip in self.resume_from.skipped if self.resume_from else []:
+            self.log.event("checkpoint_skipped", **skip)
+            self.log.say(f"resume: skipped checkpoint {skip['tag']}: {skip['reason']}")
 
         # 2. Model directory and family (config.json only, no weights yet).
         self.model_dir = self._model_dir()
@@ -171,13 +178,15 @@ class Recipe:
 
         # 8. Resume: module, optimizer and scheduler from DeepSpeed's checkpoint; plan position and RNG ours.
         if cfg.resume is not None:
-            state = load_checkpoint(self.engine, cfg.resume, rank=self.rank, world_size=self.world_size,
+            choice = self.resume_from
+            state = load_checkpoint(self.engine, choice, rank=self.rank, world_size=self.world_size,
                                     plan_sha256=self.plan_sha256)
             self.start_step = self.global_step = state.global_step
             self._resume_rng = state.rng
             kept = carry_ledger(cfg.resume, self.run_dir, self.rank, self.start_step)
-            self.log.event("resume", from_dir=str(cfg.resume), global_step=self.start_step, ledger_lines_kept=kept)
-            self.log.say(f"resumed from {cfg.resume} at global step {self.start_step} of {self.total_steps}")
+            self.log.event("resume", from_dir=str(cfg.resume), checkpoint=choice.tag, skipped=choice.skipped,
+                           latest=choice.latest, global_step=self.start_step, ledger_lines_kept=kept)
+            self.log.say(f"resumed from {choice.path} at global step {self.start_step} of {self.total_steps}")
 
         # 9. Data: this rank's micro-batches from the resume point on, read and collated ahead by workers.
         self.steps = list(global_steps(self.plans, self.rank, start=self.start_step))

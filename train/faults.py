@@ -1,0 +1,25 @@
+"""Fault injection for the reliability tests and scripts/fault_matrix.py (the simulated OOM lives in
+train.memory.maybe_fail).
+
+VIDEO_ORA_KILL_AT=point:step[:rank] makes the process SIGKILL itself when it reaches `point` at global
+`step` (every rank, or only `rank`): a kill -9 at an exact place instead of a timing guess. Points:
+checkpoint_state (DeepSpeed's checkpoint files are written, the trainer state not yet), checkpoint_marker
+(every rank's files on disk, checkpoint.json not yet), checkpoint_latest (checkpoint.json written,
+`latest` not yet).
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+KILL_ENV = "VIDEO_ORA_KILL_AT"
+
+
+def maybe_kill(point: str, step: int, rank: int) -> None:
+    spec = os.environ.get(KILL_ENV)
+    if not spec:
+        return
+    parts = spec.split(":")
+    if parts[0] != point or int(parts[1]) != step or (len(parts) > 2 and int(parts[2]) != rank):
+        return
+    os.kill(os.getpid(), signal.SIGKILL)
