@@ -30,6 +30,7 @@ from prep import answers as answers_mod
 from prep.annotations import FORMATS, Annotation, check_segments, load_annotations, reject
 from prep.budget import PATCH_SIZE, FramePlan, VideoBudget, group_times, plan_frames
 from prep.decode import DecodeError, decode_windows, encode_windows
+from prep.outdir import PLAN_FILE, BuildLock, BuildLocked, our_files, sweep_temps, tmp_name
 from prep.probe import ProbeFailure, ProbeResult, probe_video
 from prep.shards import INPUT_REJECTS, ShardPaths, ShardWriter, assemble, group_videos, read_stats, shard_name, write_stats
 from prep.tokens import DEFAULT_QUERY, BUNDLED_TOKENIZER, TokenizedSample, load_tokenizer, special_id, tokenize_sample
@@ -41,8 +42,13 @@ QVH_QUERY_TEMPLATE = (
     'Find every moment in the video that matches "{query}". Answer as JSON [[start, end], ...] '
     "in seconds from the start of the clip, or [] if there is none."
 )
-PLAN_FILE = "build.plan.json"
 SPECIAL_TOKENS = ("<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_start|>", "<|im_end|>")
+
+
+# exit codes of `prep build` (README lists them)
+EXIT_NO_SAMPLE = 1  # every input was rejected
+EXIT_CONFIG = 2  # BuildError: invalid flags, or --out holds a different build
+EXIT_LOCKED = 3  # another live build holds --out (its pid, host and start time are named)
 
 
 class BuildError(RuntimeError):
@@ -409,11 +415,6 @@ def _record(video: VideoJob, job: WindowJob, plan: FramePlan, times: list[float]
 # ----------------------------------------------------------------------------------------------- driver
 
 
-def _our_files(out: Path) -> list[Path]:
-    names = {"manifest.parquet", "rejects.parquet", "build.json", PLAN_FILE, INPUT_REJECTS}
-    return [p for p in out.iterdir() if p.is_file() and (p.name.startswith("shard-") or p.name.split(".tmp")[0] in names)]
-
-
 def _estimate_bytes(job: VideoJob, budget: VideoBudget) -> int:
     """Rough tar bytes of a video (JPEG ~ 1/10 of raw RGB), for --shard-size-mb; a plan without tokens."""
     w, p = job.windows[0].window, job.probe
@@ -469,17 +470,26 @@ def _map(pool, fn, items: list) -> list:
 
 
 def build(config: BuildConfig) -> dict:
-    """Run a whole build; returns the summary that also goes into build.json."""
+    """Run a whole build under the lock on --out; returns the summary that also goes into build.json."""
     problems = config.problems()
     if problems:
         raise BuildError("invalid build config:\n  " + "\n  ".join(problems))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    config.out.mkdir(parents=True, exist_ok=True)
+    with BuildLock(config.out) as lock:  # held until build.json is written (BuildLocked when another build has it)
+        if lock.previous is not None:
+            print(f"prep build: took over {lock.path} from {lock.previous}: that build ended without releasing it "
+                  f"(killed?); its unfinished shards are rebuilt", file=sys.stderr)
+        return _build_locked(config)
+
+
+def _build_locked(config: BuildConfig) -> dict:
     t_start = time.perf_counter()
     out = config.out
-    out.mkdir(parents=True, exist_ok=True)
     if config.overwrite:
-        for p in _our_files(out):
+        for p in our_files(out):
             p.unlink()
+    sweep_temps(out)  # partial files of a dead build: no other build can be writing here now
     budget = config.budget()
     tok_info = _tokenizer_info(config.tokenizer)  # fails fast on a tokenizer without the Qwen-VL tokens
 
@@ -575,7 +585,7 @@ def build(config: BuildConfig) -> dict:
         "versions": _versions(),
         "shard_files": [{"name": s["shard"], "sha256": s["sha256"], "bytes": s["bytes"], "samples": s["samples"]} for s in stats],
     }
-    tmp = out / "build.json.tmp"
+    tmp = tmp_name(out / "build.json")
     tmp.write_text(json.dumps(build_json, indent=1))
     tmp.replace(out / "build.json")
     return summary
@@ -596,10 +606,10 @@ def _check_plan(out: Path, config: BuildConfig, groups: list[list[str]]) -> None
             raise BuildError(f"{out} holds a build with different {what}; rerun with --overwrite to rebuild it, "
                              f"or choose another --out")
         return
-    leftovers = [p.name for p in _our_files(out) if p.name.startswith("shard-")]
+    leftovers = [p.name for p in our_files(out) if p.name.startswith("shard-")]
     if leftovers:
         raise BuildError(f"{out} holds shard files but no {PLAN_FILE} ({leftovers[0]}, ...); use --overwrite")
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = tmp_name(path)
     tmp.write_text(json.dumps(plan, indent=1))
     tmp.replace(path)
 
@@ -717,13 +727,16 @@ def cli(argv: list[str] | None = None) -> int:
         summary = build(config)
     except BuildError as e:
         print(f"prep build: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
+    except BuildLocked as e:
+        print(f"prep build: error: {e}", file=sys.stderr)
+        return EXIT_LOCKED
     print("\n".join(summary_lines(summary, config.out)))
     print(json.dumps({"event": "prep_build_done", **summary}, sort_keys=True))
     if summary["samples"] == 0:
         print(f"prep build: error: no sample was written; all inputs were rejected, see {config.out / 'rejects.parquet'}",
               file=sys.stderr)
-        return 1
+        return EXIT_NO_SAMPLE
     return 0
 
 

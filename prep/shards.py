@@ -1,11 +1,12 @@
 """Stage 7: the shard as the unit of work (img2dataset style).
 
 A shard is a group of whole videos. Its files, in the order they are written:
-    shard-000000.tar.tmp          WebDataset tar being written (schemas/shard.py layout)
-    shard-000000.samples.parquet  one SampleRecord per sample in the tar
-    shard-000000.rejects.parquet  one RejectRecord per window/video of the group that produced no sample
-    shard-000000.tar              the .tmp renamed once complete
-    shard-000000.stats.json       written LAST: a shard is complete iff this file exists
+    shard-000000.tar.<pid>-<rand>.tmp  WebDataset tar being written (schemas/shard.py layout), a name
+                                       only this writer uses (prep/outdir.py)
+    shard-000000.samples.parquet       one SampleRecord per sample in the tar
+    shard-000000.rejects.parquet       one RejectRecord per window/video of the group that produced no sample
+    shard-000000.tar                   the writer's own temp renamed once complete
+    shard-000000.stats.json            written LAST: a shard is complete iff this file exists
 A rerun skips complete shards and rebuilds the others from scratch; manifest.parquet and rejects.parquet
 are assembled from the sidecars afterwards.
 """
@@ -22,10 +23,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from prep.outdir import INPUT_REJECTS, tmp_name
 from schemas.manifest import RejectRecord, SampleRecord, arrow_schema
 from schemas.shard import JSON_EXT, ShardSample, frame_ext
 
-INPUT_REJECTS = "input.rejects.parquet"  # rejects found before any shard (annotations, probe)
 
 
 def shard_name(index: int) -> str:
@@ -40,10 +41,6 @@ class ShardPaths:
     @property
     def tar(self) -> Path:
         return self.out / f"{self.name}.tar"
-
-    @property
-    def tmp(self) -> Path:
-        return self.out / f"{self.name}.tar.tmp"
 
     @property
     def samples(self) -> Path:
@@ -61,9 +58,9 @@ class ShardPaths:
         return self.stats.is_file()
 
     def clear(self) -> None:
-        """Remove whatever an interrupted attempt left (stats first, so a crash here stays incomplete)."""
-        for p in (self.stats, self.tar, self.tmp, self.samples, self.rejects,
-                  self.samples.with_name(self.samples.name + ".tmp"), self.rejects.with_name(self.rejects.name + ".tmp")):
+        """Remove the final files an interrupted attempt left (stats first, so a crash here stays incomplete).
+        Temporary files are never touched here: each belongs to its writer (stale ones: outdir.sweep_temps)."""
+        for p in (self.stats, self.tar, self.samples, self.rejects):
             p.unlink(missing_ok=True)
 
 
@@ -77,11 +74,13 @@ def _member(name: str, data: bytes) -> tuple[tarfile.TarInfo, io.BytesIO]:
 
 
 class ShardWriter:
-    """Writes one shard's tar under its .tmp name; commit() renames it and returns (sha256, bytes)."""
+    """Writes one shard's tar under a temporary name of its own; commit() renames that file (and only that
+    file) to the shard's tar and returns (sha256, bytes)."""
 
     def __init__(self, paths: ShardPaths):
         self.paths = paths
-        self._file = open(paths.tmp, "wb")
+        self.tmp = tmp_name(paths.tar)
+        self._file = open(self.tmp, "xb")  # exclusive: a name collision fails instead of sharing a file
         self._hash = hashlib.sha256()
         self._tar = tarfile.open(fileobj=_HashingWriter(self._file, self._hash), mode="w", format=tarfile.USTAR_FORMAT)
         self.samples = 0
@@ -101,12 +100,12 @@ class ShardWriter:
         os.fsync(self._file.fileno())
         size = self._file.tell()
         self._file.close()
-        self.paths.tmp.replace(self.paths.tar)
+        os.replace(self.tmp, self.paths.tar)
         return self._hash.hexdigest(), size
 
     def abort(self) -> None:
         self._file.close()
-        self.paths.tmp.unlink(missing_ok=True)
+        self.tmp.unlink(missing_ok=True)
 
 
 class _HashingWriter:
@@ -124,7 +123,7 @@ class _HashingWriter:
 
 
 def write_stats(paths: ShardPaths, stats: dict) -> None:
-    tmp = paths.stats.with_name(paths.stats.name + ".tmp")
+    tmp = tmp_name(paths.stats)
     tmp.write_text(json.dumps(stats, indent=1, sort_keys=True))
     tmp.replace(paths.stats)
 
@@ -168,7 +167,7 @@ def assemble(out: Path, shard_names: list[str]) -> tuple[pa.Table, pa.Table]:
     rejects = _concat([out / INPUT_REJECTS] + [ShardPaths(out, n).rejects for n in shard_names], RejectRecord)
     rejects = rejects.sort_by([(c, "ascending") for c in ("video_id", "source_path", "stage", "reason", "detail")])
     for name, table in (("manifest.parquet", samples), ("rejects.parquet", rejects)):
-        tmp = out / (name + ".tmp")
+        tmp = tmp_name(out / name)
         pq.write_table(table, tmp)
         tmp.replace(out / name)
     return samples, rejects

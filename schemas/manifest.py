@@ -7,6 +7,8 @@ turns rows back into the same dataclasses. The schema version lives in the parqu
 from __future__ import annotations
 
 import dataclasses
+import os
+import secrets
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
@@ -96,11 +98,11 @@ def arrow_schema(cls: type) -> pa.Schema:
 
 
 def write_records(path: str | Path, records: list[R], cls: type[R]) -> None:
-    """Write records to parquet atomically (temporary name, then rename)."""
+    """Write records to parquet atomically (a temporary name of this writer's own, then rename)."""
     path = Path(path)
     rows = [dataclasses.asdict(r) for r in records]
     table = pa.Table.from_pylist(rows, schema=arrow_schema(cls))
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")  # this writer's own name
     pq.write_table(table, tmp)
     tmp.replace(path)
 

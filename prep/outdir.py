@@ -1,0 +1,131 @@
+"""The output directory of one build: who holds it (the build lock), temporary names, which files are ours.
+
+Lock: `OUT/build.lock`, held with fcntl.flock from the first write to the last, its holder (pid, host,
+start time, command line) written inside. A second build on the same folder stops at once naming the
+holder. The kernel drops a flock when the last descriptor of it closes, so a build killed by any signal
+(kill -9 included) leaves the file but not the lock: the next build takes it over and says whose it was.
+Forked workers share the parent's descriptor, so a worker still alive keeps the folder locked. flock is
+reliable between processes of one host; on NFS Linux turns it into a POSIX byte-range lock, which NFSv4
+servers honour across hosts (older ones may not: use one --out per host there).
+
+Temporary files: every writer writes under its own name, `<final name>.<pid>-<random>.tmp`, and renames
+only that file into place, so two writers can never publish or delete each other's partial bytes. Temps
+left by a dead build are removed by the next build once it holds the lock (no other build can be live).
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import json
+import os
+import secrets
+import socket
+import sys
+import time
+from pathlib import Path
+
+LOCK_FILE = "build.lock"
+TMP_SUFFIX = ".tmp"
+PLAN_FILE = "build.plan.json"  # the video -> shard plan a resumed build must match
+INPUT_REJECTS = "input.rejects.parquet"  # rejects found before any shard (annotations, probe)
+# files of a build besides shard-*: what --overwrite deletes and whose temps the lock holder may sweep
+BUILD_FILES = ("manifest.parquet", "rejects.parquet", "build.json", PLAN_FILE, INPUT_REJECTS)
+
+
+class BuildLocked(RuntimeError):
+    """Another live build holds --out."""
+
+
+def tmp_name(final: Path) -> Path:
+    """A temporary path next to `final` that no other writer (process or call) uses."""
+    return final.with_name(f"{final.name}.{os.getpid()}-{secrets.token_hex(4)}{TMP_SUFFIX}")
+
+
+def is_ours(name: str) -> bool:
+    """A file name (final or temporary) that belongs to a build in this folder."""
+    if name.startswith("shard-"):
+        return True
+    return any(name == f or (name.startswith(f + ".") and name.endswith(TMP_SUFFIX)) for f in BUILD_FILES)
+
+
+def our_files(out: Path) -> list[Path]:
+    """Every file a build wrote in `out` (never the lock file)."""
+    return sorted(p for p in out.iterdir() if p.is_file() and p.name != LOCK_FILE and is_ours(p.name))
+
+
+def sweep_temps(out: Path) -> list[str]:
+    """Remove temporary files of earlier builds; call only while holding the lock."""
+    gone = []
+    for p in our_files(out):
+        if p.name.endswith(TMP_SUFFIX):
+            p.unlink(missing_ok=True)
+            gone.append(p.name)
+    return gone
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Holder:
+    """Who holds (or last held) a build lock."""
+
+    pid: int
+    host: str
+    started: str  # UTC, ISO 8601
+    argv: list[str]
+
+    def __str__(self) -> str:
+        return f"pid {self.pid} on host {self.host}, started {self.started}"
+
+
+class BuildLock:
+    """`with BuildLock(out) as lock:` holds OUT/build.lock; lock.previous is the dead holder it replaced."""
+
+    def __init__(self, out: Path):
+        self.path = Path(out) / LOCK_FILE
+        self.previous: Holder | None = None
+        self._fd: int | None = None
+
+    def __enter__(self) -> "BuildLock":
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            holder = _read_holder(self.path, retries=20)
+            who = str(holder) if holder else "a process that has not written its name yet"
+            raise BuildLocked(f"{self.path.parent} is in use by another build ({who}; lock {self.path}); "
+                              f"wait for it to finish, or choose another --out") from None
+        # the lock is ours: whatever holder is written here died without releasing (flock went with it)
+        self.previous = _read_holder(self.path)
+        me = Holder(pid=os.getpid(), host=socket.gethostname(),
+                    started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), argv=list(sys.argv))
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(dataclasses.asdict(me)).encode(), 0)
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)  # a clean end leaves no holder to "take over"; the file stays (no unlink race)
+            os.close(self._fd)  # closing the last descriptor releases the flock
+            self._fd = None
+
+
+def _read_holder(path: Path, retries: int = 0) -> Holder | None:
+    """The holder written in a lock file; a holder that just took the lock may not have written yet."""
+    for attempt in range(retries + 1):
+        try:
+            data = json.loads(path.read_bytes() or b"null")
+        except (OSError, ValueError):
+            data = None
+        if isinstance(data, dict):
+            try:
+                return Holder(pid=int(data["pid"]), host=str(data["host"]), started=str(data["started"]),
+                              argv=list(data.get("argv", [])))
+            except (KeyError, TypeError, ValueError):
+                return None
+        if attempt < retries:
+            time.sleep(0.05)
+    return None

@@ -1,0 +1,138 @@
+"""`prep build` under faults and hostile input (issue 8): concurrent builds on one --out, lost sidecars, a full
+disk, annotations reaching outside --videos or unreadable, and a decoder that hangs. Real processes, real files."""
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from prep.build import EXIT_LOCKED, BuildConfig, build
+from prep.outdir import LOCK_FILE
+from prep.shards import ShardPaths, ShardWriter
+from prep.verify import verify_shards
+from schemas.shard import ShardSample
+from conftest import BUILT_SHARDS_ARGS  # tests/ is on sys.path (rootdir conftest)
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT = 120  # every subprocess here ends well within seconds; this bound only turns a hang into a failure
+
+
+def cli_args(videos: Path, out: Path, **overrides) -> list[str]:
+    """`python -m prep build` with BUILT_SHARDS_ARGS (so the shards equal the built_shards fixture's)."""
+    flags = {"window_seconds": 8, "video_min_tokens": 16, "video_max_tokens": 64, "samples_per_shard": 6,
+             "workers": 1, **overrides}
+    args = [sys.executable, "-m", "prep", "build", "--videos", str(videos), "--out", str(out), "--no-progress"]
+    for k, v in flags.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    return args
+
+
+def shard_shas(out: Path) -> dict[str, str]:
+    return {e["name"]: e["sha256"] for e in json.loads((out / "build.json").read_text())["shard_files"]}
+
+
+def wait_for(predicate, what: str, proc: subprocess.Popen | None = None, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process ended before {what}: {proc.stderr.read()[-2000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def lock_holder_pid(out: Path) -> int | None:
+    try:
+        return json.loads((out / LOCK_FILE).read_text() or "null")["pid"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=TIMEOUT)
+
+
+# ------------------------------------------------------------------------------------- build lock
+
+
+def test_second_build_on_the_same_out_stops_at_once_naming_the_holder(synth_videos_dir, built_shards, tmp_path):
+    out = tmp_path / "out"
+    args = cli_args(synth_videos_dir, out)
+    first = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        wait_for(lambda: lock_holder_pid(out) == first.pid, "the first build to hold the lock", first)
+        os.kill(first.pid, signal.SIGSTOP)  # keep it mid-build, lock held, while the second one tries
+        before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+        t0 = time.monotonic()
+        second = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
+        waited = time.monotonic() - t0
+        after = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+        os.kill(first.pid, signal.SIGCONT)
+        _, first_err = first.communicate(timeout=TIMEOUT)
+    finally:
+        kill_group(first)
+    assert second.returncode == EXIT_LOCKED
+    lines = second.stderr.strip().splitlines()
+    assert len(lines) == 1, second.stderr
+    assert f"pid {first.pid} on host {socket.gethostname()}, started " in lines[0] and str(out) in lines[0]
+    assert waited < 30  # stops at once: no waiting for the holder (the time is interpreter start-up)
+    assert after == before  # the refused build touched nothing
+    assert first.returncode == 0, first_err[-2000:]
+    assert shard_shas(out) == shard_shas(built_shards)  # the holder's build is intact
+    report = verify_shards(out, redecode=0)
+    assert report.ok, report.problems
+    assert (out / LOCK_FILE).read_text() == ""  # released: the next build takes no "dead holder" over
+
+
+def test_shard_writers_never_touch_each_others_temp_files(built_shards, tmp_path):
+    """What two builds' workers on one shard did before the lock: clear() unlinked the other's temp tar and
+    commit() published whatever file had the shared temp name."""
+    src = ShardPaths(built_shards, "shard-000000")
+    with tarfile.open(src.tar) as tar:
+        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    key = sorted(members)[0].split(".")[0]
+    sample = ShardSample.from_json(json.loads(members[f"{key}.json"]))
+    jpegs = [members[f"{key}.f{i:03d}.jpg"] for i in range(sample.record.num_frames)]
+
+    paths = ShardPaths(tmp_path, "shard-000000")
+    first = ShardWriter(paths)
+    first.add(sample, jpegs)
+    paths.clear()  # what a second build's worker does before writing the same shard
+    second = ShardWriter(paths)
+    assert second.tmp != first.tmp and first.tmp.exists()
+    second.add(sample, jpegs)
+    second.abort()
+    assert first.tmp.exists()  # the other writer's abort removed only its own file
+    sha, size = first.commit()
+    assert paths.tar.stat().st_size == size
+    assert hashlib.sha256(paths.tar.read_bytes()).hexdigest() == sha
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_lock_left_by_a_killed_build_is_taken_over(synth_videos_dir, built_shards, tmp_path):
+    out = tmp_path / "out"
+    args = cli_args(synth_videos_dir, out)
+    dead = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        wait_for(lambda: lock_holder_pid(out) == dead.pid, "the build to hold the lock", dead)
+        os.killpg(dead.pid, signal.SIGKILL)  # its holder line stays in the file; the flock dies with it
+        dead.wait(timeout=TIMEOUT)
+    finally:
+        kill_group(dead)
+    (out / "shard-000000.tar.999999-deadbeef.tmp").write_bytes(b"partial")  # a dead writer's temp
+    rerun = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert f"took over {out / LOCK_FILE} from pid {dead.pid}" in rerun.stderr
+    assert shard_shas(out) == shard_shas(built_shards)
+    assert not list(out.glob("*.tmp"))
