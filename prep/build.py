@@ -7,7 +7,7 @@ The stages, each a small function (the worker below composes them per video):
     -> decode.decode_windows -> decode.encode_windows -> shards.ShardWriter (workers: one shard per task;
        a worker decodes the next window while its encode threads resize + JPEG the previous one)
 Every bad input becomes a RejectRecord with its stage, a machine reason and a human detail; code errors
-crash. Resume: a rerun skips shards whose stats.json exists; --overwrite rebuilds from scratch.
+crash. Resume: a rerun skips complete shards (shards.ShardPaths.incomplete); --overwrite rebuilds from scratch.
 """
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ from prep.budget import PATCH_SIZE, FramePlan, VideoBudget, group_times, plan_fr
 from prep.decode import DecodeError, decode_windows, encode_windows
 from prep.outdir import PLAN_FILE, BuildLock, BuildLocked, our_files, sweep_temps, tmp_name
 from prep.probe import ProbeFailure, ProbeResult, probe_video
-from prep.shards import INPUT_REJECTS, ShardPaths, ShardWriter, assemble, group_videos, read_stats, shard_name, write_stats
+from prep.shards import (INPUT_REJECTS, ShardPaths, ShardWriter, assemble, file_entry, group_videos, read_stats, shard_name,
+                         write_stats)
 from prep.tokens import DEFAULT_QUERY, BUNDLED_TOKENIZER, TokenizedSample, load_tokenizer, special_id, tokenize_sample
 from prep.windows import LAST_WINDOW, MIN_LAST_S, Window, make_windows
 from schemas.manifest import SCHEMA_VERSION, RejectRecord, SampleRecord, Segment, write_records
@@ -146,8 +147,8 @@ class BuildConfig:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self).items()}
 
     def fingerprint(self) -> str:
-        """What decides the content of the shards (not workers, progress, overwrite)."""
-        keep = {k: v for k, v in self.to_json().items() if k not in ("workers", "overwrite", "progress")}
+        """What decides the content of the shards (not where they are, workers, progress, overwrite)."""
+        keep = {k: v for k, v in self.to_json().items() if k not in ("out", "workers", "overwrite", "progress")}
         keep["budget"] = dataclasses.asdict(self.budget())
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
 
@@ -309,6 +310,7 @@ def process_shard(task: ShardTask) -> dict:
         writer.abort()
         raise
     stats = {"shard": paths.tar.name, "sha256": sha, "bytes": size, "samples": len(records), "rejects": len(rejects),
+             "sidecars": {kind: file_entry(path) for kind, path in paths.sidecars().items()},
              "videos": len(task.videos), "video_ids": [v.video_id for v in task.videos],
              **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in t.items()}}
     write_stats(paths, stats)
@@ -531,7 +533,14 @@ def _build_locked(config: BuildConfig) -> dict:
                                   max_input_tokens=config.max_input_tokens, jpeg_quality=config.jpeg_quality,
                                   decode_threads=decode_threads, encode_threads=encode_threads)
         tasks = [ShardTask(index=i, out=out, videos=[by_id[v] for v in g], settings=settings) for i, g in enumerate(groups)]
-        pending = [t for t in tasks if not t.paths.is_complete()]
+        pending = []
+        for t in tasks:
+            why = t.paths.incomplete()
+            if why is None:
+                continue
+            if t.paths.stats.is_file():  # looked complete: say why it is rebuilt instead of trusting it
+                print(f"prep build: rebuilding {t.paths.name}: {why}", file=sys.stderr)
+            pending.append(t)  # process_shard clears what is left of it, stats first
         t0 = time.perf_counter()
         _run_shards(pool, queue, pending, config.progress)
         shards_s = time.perf_counter() - t0
@@ -583,7 +592,8 @@ def _build_locked(config: BuildConfig) -> dict:
                    "bicubic, antialias=True; same sizes, pixels differ slightly)", "jpeg_quality": config.jpeg_quality},
         "answer_format": "JSON list of [start, end] window-local seconds with one decimal, e.g. [[1.0, 12.5]]; [] = negative",
         "versions": _versions(),
-        "shard_files": [{"name": s["shard"], "sha256": s["sha256"], "bytes": s["bytes"], "samples": s["samples"]} for s in stats],
+        "shard_files": [{"name": s["shard"], "sha256": s["sha256"], "bytes": s["bytes"], "samples": s["samples"],
+                         "sidecars": s["sidecars"]} for s in stats],
     }
     tmp = tmp_name(out / "build.json")
     tmp.write_text(json.dumps(build_json, indent=1))

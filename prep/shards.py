@@ -6,9 +6,10 @@ A shard is a group of whole videos. Its files, in the order they are written:
     shard-000000.samples.parquet       one SampleRecord per sample in the tar
     shard-000000.rejects.parquet       one RejectRecord per window/video of the group that produced no sample
     shard-000000.tar                   the writer's own temp renamed once complete
-    shard-000000.stats.json            written LAST: a shard is complete iff this file exists
-A rerun skips complete shards and rebuilds the others from scratch; manifest.parquet and rejects.parquet
-are assembled from the sidecars afterwards.
+    shard-000000.stats.json            written LAST, with the size and sha256 of the tar and both sidecars
+A shard is complete when its stats file, tar and sidecars exist and the sizes match the stats file. A rerun
+skips complete shards and rebuilds every other one from scratch (one missing sidecar included: nothing is
+dropped); manifest.parquet and rejects.parquet are assembled from the sidecars afterwards.
 """
 from __future__ import annotations
 
@@ -54,8 +55,29 @@ class ShardPaths:
     def stats(self) -> Path:
         return self.out / f"{self.name}.stats.json"
 
+    def sidecars(self) -> dict[str, Path]:
+        return {"samples": self.samples, "rejects": self.rejects}
+
+    def incomplete(self) -> str | None:
+        """Why this shard must be (re)built, None when it is complete: its stats file, tar and both sidecars
+        exist and have the sizes the stats file recorded (sha256 is verify's job: sizes cost no read)."""
+        if not self.stats.is_file():
+            return "not built"
+        try:
+            stats = read_stats(self)
+            expected = [(self.tar, stats["bytes"])]
+            expected += [(path, stats["sidecars"][kind]["bytes"]) for kind, path in self.sidecars().items()]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return f"{self.stats.name} is unreadable or from an older build ({type(e).__name__}: {e})"
+        for path, size in expected:
+            if not path.is_file():
+                return f"{path.name} is missing"
+            if path.stat().st_size != size:
+                return f"{path.name} has {path.stat().st_size} bytes, {self.stats.name} recorded {size}"
+        return None
+
     def is_complete(self) -> bool:
-        return self.stats.is_file()
+        return self.incomplete() is None
 
     def clear(self) -> None:
         """Remove the final files an interrupted attempt left (stats first, so a crash here stays incomplete).
@@ -156,8 +178,10 @@ def group_videos(weights: list[tuple[str, int, int]], samples_per_shard: int, sh
 
 
 def _concat(paths: list[Path], cls: type) -> pa.Table:
+    """Every sidecar must be there (the build checked each shard complete): a missing one is an error,
+    never a table without its rows."""
     schema = arrow_schema(cls)
-    tables = [pq.read_table(p).cast(schema) for p in paths if p.is_file()]
+    tables = [pq.read_table(p).cast(schema) for p in paths]
     return pa.concat_tables(tables) if tables else schema.empty_table()
 
 
@@ -171,6 +195,11 @@ def assemble(out: Path, shard_names: list[str]) -> tuple[pa.Table, pa.Table]:
         pq.write_table(table, tmp)
         tmp.replace(out / name)
     return samples, rejects
+
+
+def file_entry(path: Path) -> dict:
+    """What the stats file and build.json record of one file of a shard."""
+    return {"name": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
 def sha256_file(path: Path) -> str:

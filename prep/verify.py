@@ -2,6 +2,8 @@
 
 Checks, each problem naming its shard and sample:
   shards    every tar of build.json exists and has the recorded sha256 and size; no unlisted tars
+  sidecars  every shard's samples/rejects parquet exists with the recorded sha256 and size and holds, row
+            for row, what manifest.parquet / rejects.parquet hold for that shard (each sample is named)
   members   every manifest row has `<key>.json` and exactly num_frames JPEGs of (width, height) in its tar,
             the JSON record equals the manifest row, no tar member belongs to no row
   record    the row agrees with itself: frames vs grid_t, size vs grid, visual tokens vs grid, token sums,
@@ -23,7 +25,7 @@ import math
 import random
 import sys
 import tarfile
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +47,7 @@ TIME_TOL = 1e-6
 class Problem:
     """One thing wrong with a build."""
 
-    check: str  # shards, members, record, tokens, budget, source, redecode, build
+    check: str  # shards, sidecars, members, record, tokens, budget, source, redecode, build
     shard: str  # tar name ("" when not about one shard)
     sample_id: str  # sample ("" when about a whole shard or the build)
     detail: str  # sentence with the numbers involved
@@ -108,6 +110,56 @@ def _shard_files(root: Path, build: dict, report: VerifyReport) -> set[str]:
             report.problems.append(Problem(check="shards", shard=path.name, sample_id="",
                                            detail="tar is not listed in build.json (left from another build?)"))
     return intact
+
+
+def _check_sidecars(root: Path, listed: dict[str, dict], by_shard: dict[str, list[SampleRecord]],
+                    rejects: list[RejectRecord], report: VerifyReport) -> dict[tuple[str, str], str]:
+    """Each shard's sidecars against build.json (sha256, size) and against the assembled tables, row by row;
+    returns (shard, key) -> sample_id of every sidecar row, so tar members can be named by their sample."""
+    from prep.shards import sha256_file
+
+    ids: dict[tuple[str, str], str] = {}
+    assembled_rejects = Counter(dataclasses.astuple(r) for r in rejects)
+
+    def bad(shard: str, sample_id: str, detail: str) -> None:
+        report.problems.append(Problem(check="sidecars", shard=shard, sample_id=sample_id, detail=detail))
+
+    for name, entry in sorted(listed.items()):
+        if "sidecars" not in entry:
+            bad(name, "", "build.json records no sidecars for this shard (built by an older version: rebuild it)")
+            continue
+        for kind, cls in (("samples", SampleRecord), ("rejects", RejectRecord)):
+            side = entry["sidecars"][kind]
+            path = root / side["name"]
+            if not path.is_file():
+                bad(name, "", f"{side['name']} is missing (a rerun of the same build rebuilds this shard)")
+                continue
+            size, sha = path.stat().st_size, sha256_file(path)
+            if (size, sha) != (side["bytes"], side["sha256"]):
+                bad(name, "", f"{side['name']} changed since the build: sha256 {sha[:16]}... ({size} bytes), "
+                              f"build.json recorded {side['sha256'][:16]}... ({side['bytes']} bytes)")
+            try:
+                rows = read_records(path, cls)
+            except (OSError, ValueError) as e:
+                bad(name, "", f"{side['name']} cannot be read: {e}")
+                continue
+            if kind == "rejects":
+                for r in rows:
+                    if assembled_rejects[dataclasses.astuple(r)] == 0:
+                        bad(name, r.video_id, f"reject {r.stage}/{r.reason} of {side['name']} is not in rejects.parquet")
+                continue
+            mine = {r.sample_id: r for r in rows}
+            ids.update({(name, r.key): r.sample_id for r in rows})
+            manifest = {r.sample_id: r for r in by_shard.get(name, [])}
+            for sid in sorted(mine.keys() - manifest.keys()):
+                bad(name, sid, f"in {side['name']} but not in manifest.parquet (lost from the manifest)")
+            for sid in sorted(manifest.keys() - mine.keys()):
+                bad(name, sid, f"in manifest.parquet but not in {side['name']}")
+            for sid in sorted(mine.keys() & manifest.keys()):
+                a, b = dataclasses.asdict(mine[sid]), dataclasses.asdict(manifest[sid])
+                if a != b:
+                    bad(name, sid, f"{side['name']} and manifest.parquet disagree on {[k for k in a if a[k] != b[k]]}")
+    return ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,7 +357,7 @@ def verify_shards(
     try:
         build = json.loads((root / "build.json").read_text())
         records = read_records(root / "manifest.parquet", SampleRecord)
-        read_records(root / "rejects.parquet", RejectRecord)
+        rejects = read_records(root / "rejects.parquet", RejectRecord)
     except (OSError, ValueError) as e:
         report.problems.append(Problem(check="build", shard="", sample_id="", detail=f"cannot read the build: {e}"))
         return report
@@ -318,6 +370,7 @@ def verify_shards(
     by_shard: dict[str, list[SampleRecord]] = defaultdict(list)
     for rec in records:
         by_shard[rec.shard].append(rec)
+    sidecar_ids = _check_sidecars(root, listed, by_shard, rejects, report)
     for name, entry in listed.items():
         if len(by_shard.get(name, [])) != entry["samples"]:
             report.problems.append(Problem(check="shards", shard=name, sample_id="",
@@ -351,7 +404,7 @@ def verify_shards(
                                            detail=f"tar cannot be read ({e}); its {len(rows)} samples are unchecked"))
             continue
         for key in sorted(set(members) - {r.key for r in rows}):
-            report.problems.append(Problem(check="members", shard=name, sample_id="",
+            report.problems.append(Problem(check="members", shard=name, sample_id=sidecar_ids.get((name, key), ""),
                                            detail=f"members {key}.* belong to no manifest row"))
         for rec in rows:
             sample = members.get(rec.key, {})

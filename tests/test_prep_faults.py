@@ -3,6 +3,7 @@ disk, annotations reaching outside --videos or unreadable, and a decoder that ha
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,6 +18,7 @@ from prep.build import EXIT_LOCKED, BuildConfig, build
 from prep.outdir import LOCK_FILE
 from prep.shards import ShardPaths, ShardWriter
 from prep.verify import verify_shards
+from schemas.manifest import SampleRecord, read_records, write_records
 from schemas.shard import ShardSample
 from conftest import BUILT_SHARDS_ARGS  # tests/ is on sys.path (rootdir conftest)
 
@@ -136,3 +138,46 @@ def test_a_lock_left_by_a_killed_build_is_taken_over(synth_videos_dir, built_sha
     assert f"took over {out / LOCK_FILE} from pid {dead.pid}" in rerun.stderr
     assert shard_shas(out) == shard_shas(built_shards)
     assert not list(out.glob("*.tmp"))
+
+
+# ------------------------------------------------------------------------------------- complete shards
+
+
+def test_a_lost_sidecar_or_a_short_tar_is_rebuilt_never_dropped(synth_videos_dir, built_shards, tmp_path, capsys):
+    out = tmp_path / "out"
+    shutil.copytree(built_shards, out)
+    (out / "shard-000001.samples.parquet").unlink()
+    with open(out / "shard-000000.tar", "r+b") as f:
+        f.truncate(f.seek(0, 2) - 512)  # one tar block short: the stats file still says complete
+    problems = [str(p) for p in verify_shards(out, redecode=0).problems]
+    assert any(p.startswith("[sidecars] shard-000001.tar: shard-000001.samples.parquet is missing") for p in problems)
+    assert any(p.startswith("[shards] shard-000000.tar: content changed since the build") for p in problems)
+
+    summary = build(BuildConfig(videos=synth_videos_dir, out=out, **BUILT_SHARDS_ARGS))
+    err = capsys.readouterr().err
+    assert "rebuilding shard-000000: shard-000000.tar has" in err
+    assert "rebuilding shard-000001: shard-000001.samples.parquet is missing" in err
+    assert (summary["samples"], summary["shards_built"], summary["shards_skipped"]) == (12, 2, 0)
+    assert shard_shas(out) == shard_shas(built_shards)
+    assert read_records(out / "manifest.parquet", SampleRecord) == read_records(built_shards / "manifest.parquet", SampleRecord)
+    report = verify_shards(out, redecode=1)
+    assert report.ok, report.problems
+
+
+def test_verify_names_each_sample_a_sidecar_and_the_manifest_disagree_on(built_shards, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(built_shards, out)
+    records = read_records(out / "manifest.parquet", SampleRecord)
+    lost = next(r for r in records if r.shard == "shard-000001.tar")
+    write_records(out / "manifest.parquet", [r for r in records if r is not lost], SampleRecord)  # what _concat did
+    side = ShardPaths(out, "shard-000001").samples
+    rows = read_records(side, SampleRecord)
+    changed = next(r for r in rows if r.sample_id != lost.sample_id)
+    changed.answer = "[[0.0, 1.0]]"
+    write_records(side, rows, SampleRecord)
+    report = verify_shards(out, redecode=0, skip_source=True)
+    by_sample = {(p.check, p.sample_id): p.detail for p in report.problems}
+    assert "lost from the manifest" in by_sample[("sidecars", lost.sample_id)]
+    assert "belong to no manifest row" in by_sample[("members", lost.sample_id)]
+    assert "disagree on ['answer']" in by_sample[("sidecars", changed.sample_id)]
+    assert any(p.check == "sidecars" and "changed since the build" in p.detail for p in report.problems)
