@@ -120,6 +120,7 @@ def test_verify_catches_a_manifest_row_that_disagrees_with_its_tar(shards_copy):
     pq.write_table(type(table).from_pylist(rows, schema=table.schema), shards_copy / "manifest.parquet")
     report = verify_shards(shards_copy, redecode=0)
     assert {(p.check, p.sample_id) for p in report.problems} == {("members", rows[0]["sample_id"]),
+                                                                  ("sidecars", rows[0]["sample_id"]),
                                                                   ("tokens", rows[0]["sample_id"])}
 
 
