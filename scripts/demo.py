@@ -71,7 +71,7 @@ def main() -> None:
     run("evaluate", ["train.evaluate", str(preds), "--shards", str(shards), "--out", str(out / "report.json"),
                      "--html", str(out / "report.html")], out / "evaluate.log")
     run("export", ["train.export", str(preds), "--format", "ffmpeg", "--videos", str(videos),
-                   "--out", str(out / "keep.sh")], out / "export.log")
+                   "--out", str(out / "keep.sh"), "--overwrite"], out / "export.log")
     print(f"done: shards {shards}, run {run_dir}, predictions {preds}, report {out / 'report.html'}")
 
 

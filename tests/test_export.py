@@ -1,8 +1,11 @@
-"""Export: keep-list JSON, CMX3600 EDL timecodes, and an ffmpeg command that really cuts a video."""
+"""Export: keep-list JSON, CMX3600 EDL timecodes (read back with OpenTimelineIO's CMX3600 reader), unique
+output names, no overwrite without --overwrite, and an ffmpeg command that really cuts a video."""
 import json
 import shlex
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +14,8 @@ from schemas.predictions import PredictionRow, write_predictions
 from scripts.synth_videos import VideoSpec, write_video
 from train import export as ex
 from train.segments import to_source
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def S(a, b):
@@ -100,7 +105,7 @@ def _duration(path):
         return frames / float(s.average_rate)
 
 
-def test_ffmpeg_command_cuts_a_real_video(tmp_path):
+def test_ffmpeg_command_cuts_a_real_video_and_never_overwrites_unasked(tmp_path):
     exe = find_ffmpeg()
     if exe is None:
         pytest.skip("no ffmpeg binary (neither on PATH nor from imageio-ffmpeg): the cut cannot be run here")
@@ -126,6 +131,23 @@ def test_ffmpeg_command_cuts_a_real_video(tmp_path):
     assert [e[4:] for e in events] == [["00:00:01:00", "00:00:02:05", "00:00:00:00", "00:00:01:05"],
                                        ["00:00:04:00", "00:00:05:00", "00:00:01:05", "00:00:02:05"]]
 
+    # nothing existing is overwritten unasked: not the script, not the EDLs, not a cut made before
+    cut_bytes = out.read_bytes()
+    again = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 1 and f"error: {out} exists; nothing was cut" in again.stderr, again.stderr
+    assert out.read_bytes() == cut_bytes
+    for fmt, dest in (("ffmpeg", script), ("edl", edl_dir)):
+        proc = subprocess.run([sys.executable, "-m", "train.export", str(preds), "--format", fmt, "--videos",
+                               str(videos), "--out", str(dest), "--cut-dir", str(cut_dir), "--ffmpeg", exe],
+                              capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert proc.returncode == ex.EXIT_EXISTS and "exists; pass --overwrite" in proc.stderr, proc.stderr
+    # with --overwrite the script replaces the cut (through its .partial file, gone afterwards)
+    assert ex.main([str(preds), "--format", "ffmpeg", "--videos", str(videos), "--out", str(script),
+                    "--cut-dir", str(cut_dir), "--ffmpeg", exe, "--overwrite"]) == 0
+    before = out.stat().st_mtime_ns
+    subprocess.run(["bash", str(script)], check=True, capture_output=True, timeout=120)
+    assert out.stat().st_mtime_ns != before and sorted(p.name for p in cut_dir.iterdir()) == ["clip.keep.mp4"]
+
 
 def test_cli_json_to_stdout(tmp_path, capsys):
     preds = tmp_path / "preds.jsonl"
@@ -133,3 +155,51 @@ def test_cli_json_to_stdout(tmp_path, capsys):
     assert ex.main([str(preds), "--format", "json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["videos"][0]["keep"] == [[1.0, 2.0]] and data["videos"][0]["fps"] == 25.0
+
+
+def read_cmx3600(edl: str, fps: float):
+    """The EDL as OpenTimelineIO's CMX3600 reader sees it: [(clip name, source in/out, record in) in frames]."""
+    import opentimelineio as otio  # the test extra installs it with otio-cmx3600-adapter (not in the core package, 0.18.1)
+
+    assert "cmx_3600" in [a.name for a in otio.plugins.ActiveManifest().adapters], "pip install otio-cmx3600-adapter"
+    timeline = otio.adapters.read_from_string(edl, "cmx_3600", rate=fps)
+    clips = []
+    for c in timeline.find_clips():
+        src, rec = c.source_range, c.range_in_parent()
+        clips.append((c.name, src.start_time.value, src.end_time_exclusive().value, rec.start_time.value))
+    return timeline, clips
+
+
+def test_edl_with_hostile_names_parses_with_a_cmx3600_reader_with_exactly_the_expected_events():
+    injected = "001  AX       V     C        00:00:00:00 00:00:09:00 00:00:00:00 00:00:09:00"
+    v = keep(segs=[(1.0, 2.0), (3.0, 4.5)], fps=25.0)
+    v.video_id = f"evil\r\n{injected}\u2028title"
+    v.source_path = f"dir/clip\n{injected}\x0bname\u2029.mp4"
+    edl = ex.to_edl(v)
+    assert len(edl.splitlines()) == 3 + 2 * 2  # title, FCM, blank, then two lines per event
+    timeline, clips = read_cmx3600(edl, 25.0)
+    flat = " ".join(injected.split())  # line breaks became spaces, runs of spaces collapsed
+    assert clips == [(f"clip {flat} name .mp4", 25, 50, 0), (f"clip {flat} name .mp4", 75, 113, 25)]
+    assert timeline.name == f"evil {flat} title"[:70]
+
+
+def test_non_ascii_and_colliding_ids_get_distinct_names_and_files(tmp_path):
+    ids = ["東京", "大阪", "a b", "a_b", "A_B", "-rf", "clip", "..", "Ünïcode"]
+    stems = ex.output_stems([keep(i) for i in ids])
+    assert len({s.casefold() for s in stems.values()}) == len(ids)
+    assert stems["clip"] == "clip" and stems["-rf"] == "rf"  # a clean, unique name stays readable
+    assert stems["東京"] == f"video-{ex.short_hash('東京')}" and stems[".."] == f"video-{ex.short_hash('..')}"
+    assert stems["a b"] == f"a_b-{ex.short_hash('a b')}" and stems["A_B"] == f"A_B-{ex.short_hash('A_B')}"
+    assert stems == ex.output_stems([keep(i) for i in reversed(ids)])  # not order dependent
+
+    preds = tmp_path / "preds.jsonl"
+    write_predictions(preds, [row("東京", 0, 0.0, 10.0, [[1.0, 2.0]]), row("大阪", 0, 0.0, 10.0, [[3.0, 4.0]])])
+    assert ex.main([str(preds), "--format", "edl", "--out", str(tmp_path / "edl")]) == 0
+    files = sorted((tmp_path / "edl").iterdir())
+    assert len(files) == 2
+    by_title = {read_cmx3600(f.read_text(), 25.0)[0].name: read_cmx3600(f.read_text(), 25.0)[1] for f in files}
+    assert by_title == {"東京": [("東京.mp4", 25, 50, 0)], "大阪": [("大阪.mp4", 75, 100, 0)]}
+    script = ex.ffmpeg_script(ex.collect([row("東京", 0, 0.0, 10.0, [[1.0, 2.0]]),
+                                          row("大阪", 0, 0.0, 10.0, [[3.0, 4.0]])]))
+    cuts = [shlex.split(ln)[-1] for ln in script.splitlines() if ln.startswith("mv ")]
+    assert len(set(cuts)) == 2 and all(c.startswith("cut/video-") for c in cuts)

@@ -9,16 +9,27 @@
 
 --videos DIR resolves the manifest's relative paths and lets export probe each file (fps, audio) with PyAV;
 without it the fps stored in preds.jsonl is used (--fps overrides both).
+
+Output names are unique per video: the id with every character outside [A-Za-z0-9._-] replaced, plus a short
+hash of the id where that name is empty or collides (case-insensitively) with another video's (東京, 大阪 ->
+video-<hash>). Nothing that exists is overwritten without --overwrite: export refuses its own output files,
+and the ffmpeg script refuses, before cutting anything, when a cut it would write exists (each cut goes to
+a .partial file first and is renamed when ffmpeg succeeds). Free text written into an EDL (title, clip
+name) has control and line-break characters replaced, so no file name can add or break an event.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
+import os
 import re
 import shlex
 import sys
+import unicodedata
+from collections import Counter
 from pathlib import Path
 
 from schemas.manifest import Segment
@@ -26,6 +37,11 @@ from schemas.predictions import PredictionRow, read_predictions
 from train import segments as seg
 
 FORMATS = ("json", "edl", "ffmpeg")
+EXIT_EXISTS = 2  # an output exists and --overwrite was not given
+
+
+class ExportError(RuntimeError):
+    """The export cannot be written as asked (an output exists, names collide); the message names the file."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -107,11 +123,19 @@ def frame_number(t: float, fps: float) -> int:
     return math.floor(t * fps + 0.5)
 
 
+def edl_text(text: str) -> str:
+    """Free text safe for one EDL line: control, format and line/paragraph separator characters (every
+    character Python's splitlines() breaks on among them) become spaces; runs of spaces collapse."""
+    cleaned = "".join(" " if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") else c for c in text)
+    return " ".join(cleaned.split())
+
+
 def to_edl(video: VideoKeep, reel: str = "AX") -> str:
     """CMX3600 EDL: one V cut event per keep segment; out points are exclusive, as CMX3600 has them."""
     if not video.fps:
         raise ValueError(f"{video.video_id}: no fps known for the EDL; pass --videos DIR or --fps")
-    title = re.sub(r"[\r\n]", " ", video.video_id)[:70]
+    title = edl_text(video.video_id)[:70]
+    clip_name = edl_text(Path(video.source_path).name)
     lines = [f"TITLE: {title}", "FCM: NON-DROP FRAME", ""]
     rec = 0
     n = 0
@@ -126,7 +150,7 @@ def to_edl(video: VideoKeep, reel: str = "AX") -> str:
             f"{timecode(src_in, video.fps)} {timecode(src_out, video.fps)} "
             f"{timecode(rec, video.fps)} {timecode(rec + length, video.fps)}"
         )
-        lines.append(f"* FROM CLIP NAME: {Path(video.source_path).name}")
+        lines.append(f"* FROM CLIP NAME: {clip_name}")
         rec += length
     return "\n".join(lines) + "\n"
 
@@ -141,7 +165,8 @@ def _safe_path(path: str) -> str:
 
 
 def ffmpeg_args(video: VideoKeep, out_path: str, *, ffmpeg: str = "ffmpeg") -> list[str] | None:
-    """argv of one ffmpeg run that keeps video.keep and concatenates it; None when nothing is kept."""
+    """argv of one ffmpeg run that keeps video.keep and concatenates it into out_path (replaced if it exists:
+    the script points it at its own .partial file); None when nothing is kept."""
     if not video.keep:
         return None
     audio = bool(video.has_audio)
@@ -161,24 +186,69 @@ def ffmpeg_args(video: VideoKeep, out_path: str, *, ffmpeg: str = "ffmpeg") -> l
     return argv + [_safe_path(out_path)]
 
 
-def output_name(video: VideoKeep) -> str:
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", video.video_id).strip("._") or "video"
-    return f"{stem}.keep{Path(video.source_path).suffix or '.mp4'}"
+def short_hash(video_id: str) -> str:
+    return hashlib.sha256(video_id.encode("utf-8")).hexdigest()[:8]
 
 
-def ffmpeg_script(videos: list[VideoKeep], cut_dir: str = "cut", *, ffmpeg: str = "ffmpeg") -> str:
-    """A bash script with one quoted ffmpeg command per video (a comment for a video with nothing kept)."""
-    lines = ["#!/usr/bin/env bash", "set -euo pipefail", f"mkdir -p {shlex.quote(cut_dir)}"]
+def output_stems(videos: list[VideoKeep]) -> dict[str, str]:
+    """video_id -> file stem, unique within this export (see the module doc for the rule)."""
+    plain = {v.video_id: re.sub(r"[^A-Za-z0-9._-]+", "_", v.video_id).strip("._-")[:100] for v in videos}
+    taken = Counter(s.casefold() for s in plain.values())
+    stems = {vid: s if s and taken[s.casefold()] == 1 else f"{s or 'video'}-{short_hash(vid)}" for vid, s in plain.items()}
+    clash = [s for s, n in Counter(s.casefold() for s in stems.values()).items() if n > 1]
+    if clash:  # only an id that spells another's hashed name can get here
+        raise ExportError(f"video ids give the same output name even with their hash: {clash}")
+    return stems
+
+
+def cut_suffix(video: VideoKeep) -> str:
+    """The source's container extension when it is a plain one, else .mp4."""
+    suffix = Path(video.source_path).suffix
+    return suffix if re.fullmatch(r"\.[A-Za-z0-9]{1,10}", suffix) else ".mp4"
+
+
+def ffmpeg_script(videos: list[VideoKeep], cut_dir: str = "cut", *, ffmpeg: str = "ffmpeg",
+                  overwrite: bool = False) -> str:
+    """A bash script with one quoted ffmpeg command per video (a comment for a video with nothing kept).
+    Without `overwrite` it stops before cutting anything when one of its outputs exists."""
+    stems = output_stems(videos)
+    jobs = []
     for v in videos:
-        argv = ffmpeg_args(v, str(Path(cut_dir) / output_name(v)), ffmpeg=ffmpeg)
-        safe_id = re.sub(r"[\r\n]", " ", v.video_id)
+        out = str(Path(cut_dir) / f"{stems[v.video_id]}.keep{cut_suffix(v)}")
+        partial = str(Path(cut_dir) / f"{stems[v.video_id]}.keep.partial{cut_suffix(v)}")
+        jobs.append((v, out, partial, ffmpeg_args(v, partial, ffmpeg=ffmpeg)))
+    lines = ["#!/usr/bin/env bash", "set -euo pipefail"]
+    outs = [out for _, out, _, argv in jobs if argv is not None]
+    if outs and not overwrite:
+        lines += [f"for out in {' '.join(shlex.quote(o) for o in outs)}; do",
+                  '  if [ -e "$out" ]; then',
+                  '    echo "error: $out exists; nothing was cut (export with --overwrite to replace it)" >&2',
+                  "    exit 1",
+                  "  fi",
+                  "done"]
+    lines.append(f"mkdir -p -- {shlex.quote(cut_dir)}")
+    for v, out, partial, argv in jobs:
+        safe_id = edl_text(v.video_id)
         if argv is None:
             lines.append(f"# {safe_id}: nothing to keep")
             continue
         note = "" if v.has_audio is not None else " (not probed: video only; pass --videos to detect audio)"
         lines.append(f"# {safe_id}: {len(v.keep)} segments, {seg.total_s(v.keep):.1f} s kept{note}")
         lines.append(shlex.join(argv))
+        lines.append(shlex.join(["mv", "-f", "--", partial, out]))
     return "\n".join(lines) + "\n"
+
+
+def write_outputs(files: dict[Path, str], *, overwrite: bool) -> None:
+    """Write every file, or none when one exists and `overwrite` is off (checked for all before writing)."""
+    existing = [str(p) for p in files if p.exists()]
+    if existing and not overwrite:
+        raise ExportError(f"{', '.join(existing)} exists; pass --overwrite to replace "
+                          f"{'it' if len(existing) == 1 else 'them'} (nothing was written)")
+    for path, text in files.items():
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------- CLI
@@ -194,25 +264,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--merge-gap", type=float, default=seg.MERGE_GAP_S, help="seconds; pieces this close merge")
     ap.add_argument("--cut-dir", default="cut", help="ffmpeg: where the cut videos go")
     ap.add_argument("--ffmpeg", default="ffmpeg", help="ffmpeg executable written into the commands")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace existing output files (and let the ffmpeg script replace existing cuts)")
     args = ap.parse_args(argv)
+    try:
+        return _export(args)
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_EXISTS
 
+
+def _export(args: argparse.Namespace) -> int:
     videos = collect(read_predictions(args.preds), videos_dir=args.videos, fps=args.fps, gap_s=args.merge_gap)
     if args.format == "json":
         text = json.dumps(to_json(videos, args.merge_gap), indent=1) + "\n"
     elif args.format == "ffmpeg":
-        text = ffmpeg_script(videos, args.cut_dir, ffmpeg=args.ffmpeg)
+        text = ffmpeg_script(videos, args.cut_dir, ffmpeg=args.ffmpeg, overwrite=args.overwrite)
     else:
-        edls = {output_name(v).rsplit(".keep", 1)[0] + ".edl": to_edl(v) for v in videos}
+        stems = output_stems(videos)
+        edls = {f"{stems[v.video_id]}.edl": to_edl(v) for v in videos}
         if args.out:
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
-            for name, body in edls.items():
-                (out / name).write_text(body)
+            write_outputs({out / name: body for name, body in edls.items()}, overwrite=args.overwrite)
             print(f"wrote {len(edls)} EDL files to {out}")
             return 0
         text = "".join(f"# ---- {name}\n{body}\n" for name, body in edls.items())
     if args.out:
-        Path(args.out).write_text(text)
+        write_outputs({Path(args.out): text}, overwrite=args.overwrite)
         print(f"wrote {args.format} for {len(videos)} videos to {args.out}")
     else:
         sys.stdout.write(text)
