@@ -15,10 +15,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 from schemas.manifest import RejectRecord, Segment
 
+MAX_LINE_BYTES = 1 << 20  # a jsonl annotation line is a few hundred bytes; a longer one is a reject, not read
+MAX_DEPTH = 32  # JSON nesting of an annotation row (a segment list is 3 deep)
 VIDEO_EXTS = (".mp4", ".mkv", ".webm", ".mov", ".avi", ".mpg", ".mpeg")
 FORMATS = ("default", "qvhighlights")
 DURATION_TOLERANCE_S = 0.5  # segments ending at most this far past the probed duration are clipped to it
@@ -49,7 +52,9 @@ def find_videos(videos_dir: str | Path) -> list[str]:
 def read_rows(path: str | Path) -> list[dict]:
     """Rows of a jsonl file, a parquet file or a saved HF dataset directory.
 
-    A jsonl line that is not a JSON object comes back as {"__error__": message} so it becomes a reject.
+    jsonl is read as bytes, one line at a time: a line that is not UTF-8, longer than MAX_LINE_BYTES, not
+    JSON, nested deeper than MAX_DEPTH, or not an object comes back as {"__error__": message with the line
+    number, "__reason__": reject reason}, so it becomes a reject and the other lines are still read.
     """
     path = Path(path)
     if path.is_dir():
@@ -66,18 +71,70 @@ def read_rows(path: str | Path) -> list[dict]:
 
         return pq.read_table(path).to_pylist()
     rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                row = {"__error__": f"line {n} is not JSON: {e}"}
-            if not isinstance(row, dict):
-                row = {"__error__": f"line {n} is a JSON {type(row).__name__}, not an object"}
-            rows.append(row)
+    with open(path, "rb") as f:
+        for n, raw in enumerate(_lines(f), 1):
+            row = _parse_line(raw, n)
+            if row is not None:
+                rows.append(row)
     return rows
+
+
+def _lines(f) -> Iterator[bytes | int]:
+    """Lines as bytes; a line over MAX_LINE_BYTES is skipped to its end (memory stays bounded) and comes
+    back as its length (an int)."""
+    while True:
+        line = f.readline(MAX_LINE_BYTES + 1)
+        if not line:
+            return
+        if len(line) <= MAX_LINE_BYTES or line.endswith(b"\n"):
+            yield line
+            continue
+        size = len(line)
+        while line and not line.endswith(b"\n"):
+            line = f.readline(1 << 20)
+            size += len(line)
+        yield size
+
+
+def _parse_line(raw: bytes | int, n: int) -> dict | None:
+    """One jsonl line -> its object, None when blank, or an {"__error__", "__reason__"} row."""
+    if isinstance(raw, int):
+        return {"__reason__": "line_too_long", "__error__": f"line {n} has {raw} bytes, more than the "
+                f"{MAX_LINE_BYTES} an annotation line may have (MAX_LINE_BYTES)"}
+    if n == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark
+        raw = raw[3:]
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return {"__reason__": "not_utf8",
+                "__error__": f"line {n} is not UTF-8: byte 0x{raw[e.start]:02x} at column {e.start + 1}"}
+    if not line.strip():
+        return None
+    try:
+        row = json.loads(line)
+        too_deep = _depth(row) > MAX_DEPTH
+    except json.JSONDecodeError as e:
+        return {"__error__": f"line {n} is not JSON: {e}"}
+    except RecursionError:  # deeper than the interpreter's recursion limit
+        too_deep = True
+    if too_deep:
+        return {"__reason__": "too_deeply_nested", "__error__": f"line {n} nests JSON deeper than {MAX_DEPTH} levels"}
+    if not isinstance(row, dict):
+        return {"__error__": f"line {n} is a JSON {type(row).__name__}, not an object"}
+    return row
+
+
+def _depth(value) -> int:
+    """Nesting depth of a parsed JSON value, without recursion (1 for a scalar)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        deepest = max(deepest, d)
+        if d > MAX_DEPTH:
+            break
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()
+        stack.extend((c, d + 1) for c in children)
+    return deepest
 
 
 def _segments(raw) -> list[tuple[float, float]]:
@@ -101,7 +158,7 @@ def parse_row(row: dict, n: int, fmt: str, videos_dir: Path, video_files: dict[s
     """One row -> Annotation, or a reject with the row number. video_files maps stem -> relative path
     (used by qvhighlights, whose rows name the video without extension)."""
     if "__error__" in row:
-        return reject("", "", "bad_annotation", f"row {n}: {row['__error__']}")
+        return reject("", "", row.get("__reason__", "bad_annotation"), f"row {n}: {row['__error__']}")
     if fmt == "qvhighlights":
         vid = row.get("vid")
         if not vid:
@@ -130,17 +187,20 @@ def parse_row(row: dict, n: int, fmt: str, videos_dir: Path, video_files: dict[s
 
 
 def load_annotations(
-    path: str | Path, videos_dir: str | Path, fmt: str = "default"
+    path: str | Path, videos_dir: str | Path, fmt: str = "default", allow_outside: bool = False
 ) -> tuple[list[Annotation], list[RejectRecord]]:
     """Read the annotations and match them to the files under videos_dir.
 
-    Rejects: unreadable rows (bad_annotation), a later row reusing an id (duplicate_id; the first one
-    wins), an annotation whose file does not exist (missing_video), a video file that no annotation names
+    Rejects: unreadable rows (bad_annotation, not_utf8, line_too_long, too_deeply_nested), a later row
+    reusing an id (duplicate_id; the first one wins), a path that resolves (symlinks followed) outside
+    videos_dir unless allow_outside (path_outside_videos: `../x.mp4`, `/elsewhere/x.mp4`, a link leading
+    out), an annotation whose file does not exist (missing_video), a video file that no annotation names
     (video_without_annotation). Segments are checked later, against the probe (check_segments).
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown annotation format {fmt!r}; known: {FORMATS}")
     videos_dir = Path(videos_dir)
+    root = videos_dir.resolve()
     files = find_videos(videos_dir)
     by_stem = {}
     for rel in files:
@@ -162,6 +222,12 @@ def load_annotations(
                                   f"({first.source_path}); the first row is kept"))
             continue
         first_row[ann.video_id] = ann
+        target = (videos_dir / ann.source_path).resolve()
+        if not allow_outside and not target.is_relative_to(root):
+            rejects.append(reject(ann.video_id, ann.source_path, "path_outside_videos",
+                                  f"row {n}: {ann.source_path} resolves to {target}, outside --videos {root} "
+                                  f"(--allow-outside-videos reads it anyway)"))
+            continue
         if not (videos_dir / ann.source_path).is_file():
             rejects.append(reject(ann.video_id, ann.source_path, "missing_video",
                                   f"row {n}: {videos_dir / ann.source_path} does not exist"))

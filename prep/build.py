@@ -74,8 +74,9 @@ class BuildConfig:
     model_family: str = "qwen3_vl"
     video_min_tokens: int | None = None  # None: VIDEO_MIN_TOKEN_NUM or the default
     video_max_tokens: int | None = None  # None: VIDEO_MAX_TOKEN_NUM or the default
-    max_input_tokens: int | None = None
+    max_input_tokens: int | None = None  # None: the model's own maximum (input_bound)
     tokenizer: Path | None = None  # None: the bundled tokenizer
+    allow_outside_videos: bool = False  # read annotation paths that resolve outside --videos
     query: str = DEFAULT_QUERY
     query_template: str | None = None  # None: "{query}" (qvhighlights: QVH_QUERY_TEMPLATE)
     jpeg_quality: int = 95
@@ -173,10 +174,50 @@ class VideoJob:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class InputBound:
+    """The longest sample a build writes, in tokens, and where that number comes from."""
+
+    tokens: int | None  # None: nothing declares a maximum
+    source: str  # "--max-input-tokens", "tokenizer model_max_length", "config.json max_position_embeddings", ...
+
+    def __str__(self) -> str:
+        return f"--max-input-tokens {self.tokens}" if self.source == "--max-input-tokens" else \
+            f"the model's maximum {self.tokens} ({self.source}; --max-input-tokens overrides)"
+
+
+# transformers' stand-in for "no maximum" in model_max_length is int(1e30); anything this large means unset
+_UNSET_MAX = 10**12
+
+
+def input_bound(max_input_tokens: int | None, tokenizer: Path | None) -> InputBound:
+    """--max-input-tokens, else the model's own maximum: the smaller of the tokenizer's model_max_length and
+    the max_position_embeddings of a config.json next to it (a model directory), when they are set. A
+    sample over it could not be trained on anyway; without a bound a 10 MB query made a 7M-token sample."""
+    if max_input_tokens is not None:
+        return InputBound(tokens=max_input_tokens, source="--max-input-tokens")
+    found = []
+    declared = getattr(load_tokenizer(str(tokenizer) if tokenizer else None), "model_max_length", None)
+    if isinstance(declared, int) and 0 < declared < _UNSET_MAX:
+        found.append((declared, "tokenizer model_max_length"))
+    config = Path(tokenizer or BUNDLED_TOKENIZER) / "config.json"
+    if config.is_file():
+        data = json.loads(config.read_text())
+        for where in (data, data.get("text_config") or {}):
+            positions = where.get("max_position_embeddings")
+            if isinstance(positions, int) and positions > 0:
+                found.append((positions, "config.json max_position_embeddings"))
+                break
+    if not found:
+        return InputBound(tokens=None, source="none declared by the tokenizer or config.json")
+    tokens, source = min(found)
+    return InputBound(tokens=tokens, source=source)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class WorkerSettings:
     budget: VideoBudget
     tokenizer: str | None
-    max_input_tokens: int | None
+    bound: InputBound
     jpeg_quality: int
     decode_threads: int  # decord threads per worker process
     encode_threads: int  # resize + JPEG threads per worker process, running while the decoder works
@@ -230,10 +271,11 @@ class WindowRejected(Exception):
 
 
 def plan_window(budget: VideoBudget, probe: ProbeResult, job: WindowJob, tokenizer, query: str,
-                max_input_tokens: int | None) -> tuple[FramePlan, list[float], TokenizedSample]:
+                bound: InputBound) -> tuple[FramePlan, list[float], TokenizedSample]:
     """Frames, prompt times and tokens of one window; the frame count is lowered (largest even count
-    that fits, found by bisection) when the sample exceeds max_input_tokens. The answer is never cut."""
+    that fits, found by bisection) when the sample exceeds the bound. The answer is never cut."""
     w = job.window
+    max_input_tokens = bound.tokens
 
     def attempt(max_frames: int | None):
         try:
@@ -261,8 +303,8 @@ def plan_window(budget: VideoBudget, probe: ProbeResult, job: WindowJob, tokeniz
         two = attempt(2)
         raise WindowRejected("budget", "over_token_budget",
                              f"window {w.index} ({w.start_s:.2f}-{w.end_s:.2f} s): even 2 frames need "
-                             f"{len(two[2].input_ids)} tokens ({two[2].visual_tokens} visual) > --max-input-tokens "
-                             f"{max_input_tokens}; {len(full[2].input_ids)} at the full {len(full[0].frame_indices)} frames")
+                             f"{len(two[2].input_ids)} tokens ({two[2].visual_tokens} visual) > {bound}; "
+                             f"{len(full[2].input_ids)} at the full {len(full[0].frame_indices)} frames")
     return best
 
 
@@ -331,9 +373,15 @@ def _process_file(jobs: list[VideoJob], s: WorkerSettings, tokenizer, pool: Exec
     t0 = time.perf_counter()
     planned = []
     for video in jobs:
+        too_long = _query_over_bound(video.query, tokenizer, s.bound)
         for job in video.windows:
+            if too_long:
+                w = job.window
+                rejects.append(reject(video.video_id, video.source_path, "over_token_budget",
+                                      f"window {w.index} ({w.start_s:.2f}-{w.end_s:.2f} s): {too_long}", stage="tokens"))
+                continue
             try:
-                planned.append((video, job, *plan_window(s.budget, video.probe, job, tokenizer, video.query, s.max_input_tokens)))
+                planned.append((video, job, *plan_window(s.budget, video.probe, job, tokenizer, video.query, s.bound)))
             except WindowRejected as r:
                 rejects.append(reject(video.video_id, video.source_path, r.reason, r.detail, stage=r.stage))
     planned.sort(key=lambda p: p[1].window.start_s)  # stable: one annotation's windows keep their order
@@ -369,6 +417,15 @@ def _process_file(jobs: list[VideoJob], s: WorkerSettings, tokenizer, pool: Exec
     t["source_s"] += probe.duration_s
     if _progress is not None:
         _progress((len(jobs), done, probe.duration_s))
+
+
+def _query_over_bound(query: str, tokenizer, bound: InputBound) -> str:
+    """Why no window with this query can fit the bound ("" when one might): the query alone is over it.
+    Checked once per annotation, so a huge query costs one tokenization, not one per window and attempt."""
+    if bound.tokens is None:
+        return ""
+    n = len(tokenizer(query, add_special_tokens=False, verbose=False)["input_ids"])
+    return f"the query alone has {n} tokens ({len(query)} characters) > {bound}" if n > bound.tokens else ""
 
 
 def _timed(items: Iterator, t: Counter, key: str) -> Iterator:
@@ -495,7 +552,9 @@ def _build_locked(config: BuildConfig) -> dict:
     budget = config.budget()
     tok_info = _tokenizer_info(config.tokenizer)  # fails fast on a tokenizer without the Qwen-VL tokens
 
-    anns, input_rejects = load_annotations(config.annotations, config.videos, config.format)
+    bound = input_bound(config.max_input_tokens, config.tokenizer)
+    anns, input_rejects = load_annotations(config.annotations, config.videos, config.format,
+                                           allow_outside=config.allow_outside_videos)
     # fork before any decoder runs in this process; probes and shards share the pool
     ctx = multiprocessing.get_context("fork")
     queue = ctx.SimpleQueue() if config.workers > 1 else None
@@ -530,7 +589,7 @@ def _build_locked(config: BuildConfig) -> dict:
 
         decode_threads, encode_threads = worker_threads(config.workers)
         settings = WorkerSettings(budget=budget, tokenizer=str(config.tokenizer) if config.tokenizer else None,
-                                  max_input_tokens=config.max_input_tokens, jpeg_quality=config.jpeg_quality,
+                                  bound=bound, jpeg_quality=config.jpeg_quality,
                                   decode_threads=decode_threads, encode_threads=encode_threads)
         tasks = [ShardTask(index=i, out=out, videos=[by_id[v] for v in g], settings=settings) for i, g in enumerate(groups)]
         pending = []
@@ -587,6 +646,7 @@ def _build_locked(config: BuildConfig) -> dict:
         **summary,
         "config": config.to_json(),
         "budget": dataclasses.asdict(budget),
+        "max_input_tokens": dataclasses.asdict(bound),  # the bound applied (config has only the flag)
         "tokenizer": tok_info,
         "decode": {"backend": "decord", "resize": "PIL BICUBIC to the planned size (qwen-vl-utils: torchvision "
                    "bicubic, antialias=True; same sizes, pixels differ slightly)", "jpeg_quality": config.jpeg_quality},
@@ -693,8 +753,12 @@ def parser() -> argparse.ArgumentParser:
     a("--video-max-tokens", type=int, default=None, help="per-frame maximum tokens (default: $VIDEO_MAX_TOKEN_NUM or 768)")
     a("--max-input-tokens", type=int, default=None,
       help="cap on a whole sample's tokens (text included): lowers the frame count; a window that does not fit "
-           "with 2 frames is rejected (over_token_budget). The answer is never cut")
+           "with 2 frames is rejected (over_token_budget). The answer is never cut. Default: the model's own "
+           "maximum (the tokenizer's model_max_length, or config.json's max_position_embeddings if smaller)")
     a("--tokenizer", type=Path, default=None, help="tokenizer or model directory (default: the small tokenizer shipped with the package)")
+    a("--allow-outside-videos", action="store_true",
+      help="read annotation paths that resolve (symlinks followed) outside --videos, e.g. ../x.mp4 or /abs/x.mp4; "
+           "by default each is rejected (path_outside_videos)")
     a("--query", default=DEFAULT_QUERY, help="instruction for annotations without their own query")
     a("--query-template", default=None,
       help="how an annotation's own query becomes the instruction, with {query} (default: '{query}'; "

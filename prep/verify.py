@@ -298,7 +298,7 @@ def _check_budget(rec: SampleRecord, probe, budget: VideoBudget, max_input_token
     elif not _close(rec.group_times_s, group_times(times, rec.window_start_s)):
         bad(f"group_times_s {_short(rec.group_times_s)} != {_short(group_times(times, rec.window_start_s))}")
     if max_input_tokens is not None and rec.input_tokens > max_input_tokens:
-        bad(f"input_tokens {rec.input_tokens} > --max-input-tokens {max_input_tokens}")
+        bad(f"input_tokens {rec.input_tokens} > the build's bound {max_input_tokens}")
 
 
 def _redecode(rec: SampleRecord, source: Path, members: dict[str, Member], max_diff: float, report: VerifyReport) -> None:
@@ -416,7 +416,8 @@ def verify_shards(
             if rec.sample_id in chosen and complete and name in intact:
                 to_redecode.append((rec, sample))
 
-    max_input_tokens = config.get("max_input_tokens")
+    # the bound the build applied (the model's maximum by default); older builds recorded only the flag
+    max_input_tokens = (build.get("max_input_tokens") or {}).get("tokens", config.get("max_input_tokens"))
     for rec in records:
         if rec.source_path in probes:
             _check_budget(rec, probes[rec.source_path], budget, max_input_tokens, report)

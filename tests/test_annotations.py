@@ -120,3 +120,50 @@ def test_window_policies():
     assert spans(make_windows(40, 16, 8)) == [(0, 16), (8, 24), (16, 32), (24, 40)]
     assert spans(make_windows(36, 16, 8)) == [(0, 16), (8, 24), (16, 32), (24, 36)]
     assert [w.index for w in make_windows(40, 16)] == [0, 1, 2]
+
+
+def test_paths_resolving_outside_videos_are_rejected_unless_allowed(tmp_path):
+    videos, elsewhere = tmp_path / "videos", tmp_path / "elsewhere"
+    touch_videos(videos, "in.mp4")
+    touch_videos(elsewhere, "x.mp4")
+    (videos / "link.mp4").symlink_to(elsewhere / "x.mp4")  # a file inside whose target is outside
+    (videos / "inner.mp4").symlink_to(videos / "in.mp4")  # a link that stays inside is fine
+    (tmp_path / "videos_link").symlink_to(videos)  # --videos itself may be a link
+    path = write_jsonl(tmp_path / "ann.jsonl", [
+        {"id": "in", "video": "in.mp4"}, {"id": "dotdot", "video": "../elsewhere/x.mp4"},
+        {"id": "abs", "video": str(elsewhere / "x.mp4")}, {"id": "link", "video": "link.mp4"},
+        {"id": "inner", "video": "inner.mp4"}])
+    for root in (videos, tmp_path / "videos_link"):
+        anns, rejects = load_annotations(path, root)
+        assert [a.video_id for a in anns] == ["in", "inner"]
+        assert [(r.video_id, r.reason) for r in rejects] == [
+            ("dotdot", "path_outside_videos"), ("abs", "path_outside_videos"), ("link", "path_outside_videos")]
+        assert f"row 4: link.mp4 resolves to {elsewhere / 'x.mp4'}, outside --videos {videos}" in rejects[2].detail
+    anns, rejects = load_annotations(path, videos, allow_outside=True)
+    assert [a.video_id for a in anns] == ["in", "dotdot", "abs", "link", "inner"] and rejects == []
+
+
+def test_unreadable_lines_are_rejects_with_their_line_number_and_the_rest_is_read(tmp_path):
+    from prep.annotations import MAX_DEPTH, MAX_LINE_BYTES
+
+    touch_videos(tmp_path, "a.mp4", "b.mp4", "c.mp4")
+    nested = {"video": "c.mp4", "segments": [[1, 2]], "extra": json.loads("[" * MAX_DEPTH + "]" * MAX_DEPTH)}
+    lines = [
+        b"\xef\xbb\xbf" + json.dumps({"id": "A", "video": "a.mp4"}).encode(),  # a byte order mark is fine
+        b"",
+        b'{"id": "B", "video": "b.mp4", "query": "caf\xe9"}',  # latin-1, not UTF-8
+        b"[" * 100_000 + b"]" * 100_000,  # deeper than the interpreter's recursion limit
+        json.dumps(nested).encode(),  # parses, but deeper than MAX_DEPTH
+        b'{"id": "huge", "video": "a.mp4", "query": "' + b"x" * (MAX_LINE_BYTES + 10) + b'"}',
+        json.dumps({"id": "C", "video": "c.mp4"}).encode(),
+    ]
+    path = tmp_path / "ann.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    anns, rejects = load_annotations(path, tmp_path)
+    assert [a.video_id for a in anns] == ["A", "C"]
+    got = [(r.reason, r.detail) for r in rejects if r.reason != "video_without_annotation"]
+    assert [(reason, detail.split(" ")[:4]) for reason, detail in got] == [
+        ("not_utf8", ["row", "2:", "line", "3"]), ("too_deeply_nested", ["row", "3:", "line", "4"]),
+        ("too_deeply_nested", ["row", "4:", "line", "5"]), ("line_too_long", ["row", "5:", "line", "6"])]
+    assert "byte 0xe9 at column 44" in got[0][1]
+    assert f"has {len(lines[5]) + 1} bytes" in got[3][1]

@@ -18,7 +18,7 @@ from prep.build import EXIT_LOCKED, BuildConfig, build
 from prep.outdir import LOCK_FILE
 from prep.shards import ShardPaths, ShardWriter
 from prep.verify import verify_shards
-from schemas.manifest import SampleRecord, read_records, write_records
+from schemas.manifest import RejectRecord, SampleRecord, read_records, write_records
 from schemas.shard import ShardSample
 from conftest import BUILT_SHARDS_ARGS  # tests/ is on sys.path (rootdir conftest)
 
@@ -181,3 +181,64 @@ def test_verify_names_each_sample_a_sidecar_and_the_manifest_disagree_on(built_s
     assert "belong to no manifest row" in by_sample[("members", lost.sample_id)]
     assert "disagree on ['answer']" in by_sample[("sidecars", changed.sample_id)]
     assert any(p.check == "sidecars" and "changed since the build" in p.detail for p in report.problems)
+
+
+# ------------------------------------------------------------------------------------- hostile annotations
+
+
+def test_hostile_annotation_lines_are_rejects_and_every_good_video_builds(synth_videos_dir, built_shards, tmp_path):
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shutil.copy(synth_videos_dir / "vid_a.mp4", outside / "x.mp4")
+    good = (synth_videos_dir / "annotations.jsonl").read_bytes().splitlines()
+    hostile = [
+        b'{"id": "latin1", "video": "vid_a.mp4", "query": "caf\xe9"}',
+        b"[" * 50_000 + b"]" * 50_000,
+        b'{"id": "huge", "video": "vid_a.mp4", "query": "' + b"find it " * 1_300_000 + b'"}',  # 10 MB
+        json.dumps({"id": "dotdot", "video": os.path.relpath(outside / "x.mp4", synth_videos_dir)}).encode(),
+        json.dumps({"id": "abs", "video": str(outside / "x.mp4")}).encode(),
+    ]
+    ann = tmp_path / "ann.jsonl"
+    ann.write_bytes(b"\n".join(good[:2] + hostile + good[2:]) + b"\n")
+    out = tmp_path / "out"
+    summary = build(BuildConfig(videos=synth_videos_dir, annotations=ann, out=out, **BUILT_SHARDS_ARGS))
+    assert summary["samples"] == 12
+    rejects = {r.video_id or r.reason: r for r in read_records(out / "rejects.parquet", RejectRecord)}
+    assert sorted((k, r.reason) for k, r in rejects.items()) == [
+        ("abs", "path_outside_videos"), ("dotdot", "path_outside_videos"), ("line_too_long", "line_too_long"),
+        ("not_utf8", "not_utf8"), ("too_deeply_nested", "too_deeply_nested")]
+    assert rejects["not_utf8"].detail.startswith("row 3: line 3 is not UTF-8: byte 0xe9")
+    assert rejects["too_deeply_nested"].detail == "row 4: line 4 nests JSON deeper than 32 levels"
+    assert rejects["line_too_long"].detail.startswith(f"row 5: line 5 has {len(hostile[2]) + 1} bytes, more than")
+    for key in ("dotdot", "abs"):
+        assert f"resolves to {outside / 'x.mp4'}, outside --videos {synth_videos_dir}" in rejects[key].detail
+    assert shard_shas(out) == shard_shas(built_shards)  # the good videos, exactly as without the hostile lines
+
+
+def test_the_model_maximum_bounds_a_sample_by_default(synth_videos_dir, built_shards, tmp_path):
+    from prep.tokens import BUNDLED_TOKENIZER, load_tokenizer
+
+    tok = tmp_path / "tokenizer"
+    shutil.copytree(BUNDLED_TOKENIZER, tok)
+    cfg = json.loads((tok / "tokenizer_config.json").read_text())
+    cfg["model_max_length"] = 250  # the bundled one says 262144; a small model maximum keeps the test fast
+    (tok / "tokenizer_config.json").write_text(json.dumps(cfg))
+    ann = tmp_path / "ann.jsonl"
+    long_query = {"id": "long", "video": "vid_a.mp4", "segments": [], "query": "find the red square " * 100}
+    ann.write_text((synth_videos_dir / "annotations.jsonl").read_text() + json.dumps(long_query) + "\n")
+    out = tmp_path / "out"
+    summary = build(BuildConfig(videos=synth_videos_dir, annotations=ann, out=out, tokenizer=tok, **BUILT_SHARDS_ARGS))
+    full = {r.sample_id: r for r in read_records(built_shards / "manifest.parquet", SampleRecord)}
+    got = read_records(out / "manifest.parquet", SampleRecord)
+    assert sorted(r.sample_id for r in got) == sorted(full) and summary["samples"] == 12
+    assert all(r.input_tokens <= 250 for r in got)
+    assert any(r.num_frames < full[r.sample_id].num_frames for r in got)  # lowered, like --max-input-tokens
+    rejects = read_records(out / "rejects.parquet", RejectRecord)
+    assert [(r.video_id, r.stage, r.reason) for r in rejects] == [("long", "tokens", "over_token_budget")] * 3
+    n = len(load_tokenizer(str(tok))(long_query["query"], add_special_tokens=False)["input_ids"])
+    assert f"the query alone has {n} tokens (2000 characters)" in rejects[0].detail
+    assert "> the model's maximum 250 (tokenizer model_max_length; --max-input-tokens overrides)" in rejects[0].detail
+    assert json.loads((out / "build.json").read_text())["max_input_tokens"] == {
+        "tokens": 250, "source": "tokenizer model_max_length"}
+    report = verify_shards(out, redecode=0)  # the lowered frame counts are legal under the recorded bound
+    assert report.ok, report.problems
