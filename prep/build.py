@@ -3,7 +3,7 @@
 The stages, each a small function (the worker below composes them per video):
     annotations.load_annotations -> probe.probe_video -> annotations.check_segments
     -> windows.make_windows -> answers.rebase_segments/format_answer        (parent: cheap, decides shards)
-    -> plan_window (budget.plan_frames + tokens.tokenize_sample, frames lowered for --max-input-tokens)
+    -> plan_window (budget.plan_frames + schemas.prompt.tokenize_sample, frames lowered for --max-input-tokens)
     -> decode.decode_windows -> decode.encode_windows -> shards.ShardWriter (workers: one shard per task;
        a worker decodes the next window while its encode threads resize + JPEG the previous one)
 Every bad input becomes a RejectRecord with its stage, a machine reason and a human detail; code errors
@@ -27,17 +27,43 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 
 from prep import answers as answers_mod
-from prep.annotations import FORMATS, Annotation, check_segments, load_annotations, reject
+from prep.annotations import check_segments, load_annotations
 from prep.budget import PATCH_SIZE, FramePlan, VideoBudget, group_times, plan_frames
 from prep.decode import DecodeError, decode_windows, encode_windows
 from prep.outdir import PLAN_FILE, BuildLock, BuildLocked, our_files, sweep_temps, tmp_name
 from prep.probe import ProbeFailure, ProbeResult, probe_video
 from prep.shards import (INPUT_REJECTS, ShardPaths, ShardWriter, assemble, file_entry, group_videos, read_stats, shard_name,
                          write_stats)
-from prep.tokens import DEFAULT_QUERY, BUNDLED_TOKENIZER, TokenizedSample, load_tokenizer, special_id, tokenize_sample
 from prep.windows import LAST_WINDOW, MIN_LAST_S, Window, make_windows
+from schemas.annotations import FORMATS, Annotation, reject
+from schemas.answer import DESCRIPTION as ANSWER_FORMAT
+from schemas.answer import format_answer
+from schemas.build import (
+    BUILD_JSON,
+    BuildRecord,
+    BuildSummary,
+    DecodeInfo,
+    FileEntry,
+    InputBound,
+    PromptInfo,
+    ShardFile,
+    Throughput,
+    Timings,
+    TokenizerInfo,
+)
 from schemas.manifest import SCHEMA_VERSION, RejectRecord, SampleRecord, Segment, write_records
-from schemas.shard import ShardSample
+from schemas.prompt import (
+    BUNDLED_TOKENIZER,
+    DEFAULT_LAYOUT,
+    DEFAULT_QUERY,
+    LAYOUTS,
+    TokenizedSample,
+    load_tokenizer,
+    special_id,
+    tokenize_sample,
+)
+from schemas.shard import ShardSample, ids_sha256
+from schemas.versions import package_versions
 
 QVH_QUERY_TEMPLATE = (
     'Find every moment in the video that matches "{query}". Answer as JSON [[start, end], ...] '
@@ -77,6 +103,7 @@ class BuildConfig:
     max_input_tokens: int | None = None  # None: the model's own maximum (input_bound)
     tokenizer: Path | None = None  # None: the bundled tokenizer
     allow_outside_videos: bool = False  # read annotation paths that resolve outside --videos
+    prompt_layout: str = DEFAULT_LAYOUT  # schemas.prompt.LAYOUTS: nested (transformers 5.x) or flat (4.57 / vLLM)
     query: str = DEFAULT_QUERY
     query_template: str | None = None  # None: "{query}" (qvhighlights: QVH_QUERY_TEMPLATE)
     jpeg_quality: int = 95
@@ -128,6 +155,8 @@ class BuildConfig:
             p.append("--workers must be >= 1")
         if "{query}" not in self.query_template:
             p.append("--query-template must contain {query}")
+        if self.prompt_layout not in LAYOUTS:
+            p.append(f"--prompt-layout must be one of {sorted(LAYOUTS)}, got {self.prompt_layout!r}")
         if self.tokenizer is not None and not (self.tokenizer / "tokenizer.json").is_file():
             p.append(f"--tokenizer {self.tokenizer} has no tokenizer.json")
         try:
@@ -173,18 +202,6 @@ class VideoJob:
     negatives_dropped: int = 0  # windows left out by --negatives drop (counted, not rejects)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class InputBound:
-    """The longest sample a build writes, in tokens, and where that number comes from."""
-
-    tokens: int | None  # None: nothing declares a maximum
-    source: str  # "--max-input-tokens", "tokenizer model_max_length", "config.json max_position_embeddings", ...
-
-    def __str__(self) -> str:
-        return f"--max-input-tokens {self.tokens}" if self.source == "--max-input-tokens" else \
-            f"the model's maximum {self.tokens} ({self.source}; --max-input-tokens overrides)"
-
-
 # transformers' stand-in for "no maximum" in model_max_length is int(1e30); anything this large means unset
 _UNSET_MAX = 10**12
 
@@ -218,6 +235,7 @@ class WorkerSettings:
     budget: VideoBudget
     tokenizer: str | None
     bound: InputBound
+    prompt_layout: str
     jpeg_quality: int
     decode_threads: int  # decord threads per worker process
     encode_threads: int  # resize + JPEG threads per worker process, running while the decoder works
@@ -255,7 +273,7 @@ def plan_video(ann: Annotation, probe: ProbeResult, config: BuildConfig) -> Vide
         segs = answers_mod.rebase_segments(checked.segments, w.start_s, w.end_s, config.min_segment_seconds)
         if not segs and config.negatives == "drop":
             continue
-        jobs.append(WindowJob(window=w, segments=segs, answer=answers_mod.format_answer(segs)))
+        jobs.append(WindowJob(window=w, segments=segs, answer=format_answer(segs)))
     if not jobs:
         return reject(ann.video_id, ann.source_path, "no_positive_windows",
                       f"all {len(windows)} windows are negatives and --negatives drop", stage="answers")
@@ -271,7 +289,7 @@ class WindowRejected(Exception):
 
 
 def plan_window(budget: VideoBudget, probe: ProbeResult, job: WindowJob, tokenizer, query: str,
-                bound: InputBound) -> tuple[FramePlan, list[float], TokenizedSample]:
+                bound: InputBound, layout: str) -> tuple[FramePlan, list[float], TokenizedSample]:
     """Frames, prompt times and tokens of one window; the frame count is lowered (largest even count
     that fits, found by bisection) when the sample exceeds the bound. The answer is never cut."""
     w = job.window
@@ -285,7 +303,7 @@ def plan_window(budget: VideoBudget, probe: ProbeResult, job: WindowJob, tokeniz
             raise WindowRejected("budget", "window_frames", f"window {w.index} ({w.start_s:.2f}-{w.end_s:.2f} s): {e}") from e
         times = group_times([i / probe.fps for i in plan.frame_indices], w.start_s)
         tok = tokenize_sample(tokenizer, query=query, answer=job.answer, group_times_s=times,
-                              tokens_per_group=plan.tokens_per_group)
+                              tokens_per_group=plan.tokens_per_group, layout=layout)
         return plan, times, tok
 
     full = attempt(None)
@@ -381,7 +399,8 @@ def _process_file(jobs: list[VideoJob], s: WorkerSettings, tokenizer, pool: Exec
                                       f"window {w.index} ({w.start_s:.2f}-{w.end_s:.2f} s): {too_long}", stage="tokens"))
                 continue
             try:
-                planned.append((video, job, *plan_window(s.budget, video.probe, job, tokenizer, video.query, s.bound)))
+                planned.append((video, job, *plan_window(s.budget, video.probe, job, tokenizer, video.query, s.bound,
+                                                          s.prompt_layout)))
             except WindowRejected as r:
                 rejects.append(reject(video.video_id, video.source_path, r.reason, r.detail, stage=r.stage))
     planned.sort(key=lambda p: p[1].window.start_s)  # stable: one annotation's windows keep their order
@@ -401,7 +420,7 @@ def _process_file(jobs: list[VideoJob], s: WorkerSettings, tokenizer, pool: Exec
                 if key in keys:
                     key += "_" + hashlib.sha1(video.video_id.encode()).hexdigest()[:8]
                 keys.add(key)
-                record = _record(video, job, plan, times, tok, writer.paths.tar.name, key)
+                record = _record(video, job, plan, times, tok, writer.paths.tar.name, key, jpegs, s.prompt_layout)
                 writer.add(ShardSample(record=record, input_ids=tok.input_ids, prompt_tokens=tok.prompt_tokens), jpegs)
                 records.append(record)
                 done += 1
@@ -442,17 +461,24 @@ def _timed(items: Iterator, t: Counter, key: str) -> Iterator:
 
 
 def _record(video: VideoJob, job: WindowJob, plan: FramePlan, times: list[float], tok: TokenizedSample,
-            shard: str, key: str) -> SampleRecord:
+            shard: str, key: str, jpegs: list[bytes], layout: str) -> SampleRecord:
+    probe = video.probe
     return SampleRecord(
         sample_id=f"{video.video_id}/w{job.window.index:04d}",
         video_id=video.video_id,
         source_path=video.source_path,
+        source_fps=probe.fps,
+        source_frames=probe.frames,
+        source_width=probe.width,
+        source_height=probe.height,
+        source_codec=probe.codec,
+        source_rotation=probe.rotation,
         window_index=job.window.index,
         window_start_s=job.window.start_s,
         window_end_s=job.window.end_s,
         num_frames=len(plan.frame_indices),
         frame_indices=list(plan.frame_indices),
-        frame_times_s=[i / video.probe.fps for i in plan.frame_indices],
+        frame_times_s=[i / probe.fps for i in plan.frame_indices],
         group_times_s=times,
         height=plan.height,
         width=plan.width,
@@ -463,11 +489,14 @@ def _record(video: VideoJob, job: WindowJob, plan: FramePlan, times: list[float]
         text_tokens=tok.text_tokens,
         supervised_tokens=tok.supervised_tokens,
         input_tokens=len(tok.input_ids),
+        prompt_layout=layout,
         query=video.query,
         answer=job.answer,
         segments=list(job.segments),
         shard=shard,
         key=key,
+        frame_sha256=[hashlib.sha256(b).hexdigest() for b in jpegs],
+        input_ids_sha256=ids_sha256(tok.input_ids),
     )
 
 
@@ -485,27 +514,15 @@ def _estimate_bytes(job: VideoJob, budget: VideoBudget) -> int:
     return len(job.windows) * len(plan.frame_indices) * plan.height * plan.width * 3 // 10
 
 
-def _tokenizer_info(path: Path | None) -> dict:
+def _tokenizer_info(path: Path | None) -> TokenizerInfo:
     root = Path(path or BUNDLED_TOKENIZER)
     tok = load_tokenizer(str(path) if path else None)
-    return {
-        "path": str(root),
-        "bundled": path is None,
-        "tokenizer_json_sha256": hashlib.sha256((root / "tokenizer.json").read_bytes()).hexdigest(),
-        "special_token_ids": {t: special_id(tok, t) for t in SPECIAL_TOKENS},
-    }
-
-
-def _versions() -> dict:
-    from importlib import metadata
-
-    out = {"python": sys.version.split()[0]}
-    for pkg in ("video-ora", "decord", "av", "pillow", "numpy", "pyarrow", "torch", "transformers", "tokenizers"):
-        try:
-            out[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            out[pkg] = None
-    return out
+    return TokenizerInfo(
+        path=str(root),
+        bundled=path is None,
+        tokenizer_json_sha256=hashlib.sha256((root / "tokenizer.json").read_bytes()).hexdigest(),
+        special_token_ids={t: special_id(tok, t) for t in SPECIAL_TOKENS},
+    )
 
 
 def worker_threads(workers: int) -> tuple[int, int]:
@@ -589,7 +606,7 @@ def _build_locked(config: BuildConfig) -> dict:
 
         decode_threads, encode_threads = worker_threads(config.workers)
         settings = WorkerSettings(budget=budget, tokenizer=str(config.tokenizer) if config.tokenizer else None,
-                                  bound=bound, jpeg_quality=config.jpeg_quality,
+                                  bound=bound, prompt_layout=config.prompt_layout, jpeg_quality=config.jpeg_quality,
                                   decode_threads=decode_threads, encode_threads=encode_threads)
         tasks = [ShardTask(index=i, out=out, videos=[by_id[v] for v in g], settings=settings) for i, g in enumerate(groups)]
         pending = []
@@ -621,44 +638,44 @@ def _build_locked(config: BuildConfig) -> dict:
     pending_names = {t.paths.name for t in pending}
     done_stats = [s for t, s in zip(tasks, stats) if t.paths.name in pending_names]
     source_s = sum(s["source_s"] for s in done_stats)
-    summary = {
-        "schema_version": SCHEMA_VERSION,
-        "samples": samples.num_rows,
-        "videos": len(set(samples.column("video_id").to_pylist())),
-        "annotations_matched": len(anns),
-        "shards": len(tasks),
-        "shards_built": len(pending),
-        "shards_skipped": len(tasks) - len(pending),
-        "frames": sum(samples.column("num_frames").to_pylist()),
-        "visual_tokens": sum(samples.column("visual_tokens").to_pylist()),
-        "input_tokens": sum(samples.column("input_tokens").to_pylist()),
-        "negatives": sum(1 for a in samples.column("answer").to_pylist() if a == "[]"),
-        "negatives_dropped": sum(j.negatives_dropped for j in jobs),
-        "rejects": rejects.num_rows,
-        "rejects_by_reason": dict(sorted(Counter(rejects.column("reason").to_pylist()).items())),
-        "timings_s": {"probe": round(probe_s, 3), "shards": round(shards_s, 3), "assemble": round(assemble_s, 3),
-                      "total": round(total_s, 3)},
-        "throughput": {"videos_per_s": _rate(sum(s["videos"] for s in done_stats), shards_s),
-                       "windows_per_s": _rate(sum(s["samples"] for s in done_stats), shards_s),
-                       "realtime_factor": _rate(source_s, shards_s)},
-    }
-    build_json = {
-        **summary,
-        "config": config.to_json(),
-        "budget": dataclasses.asdict(budget),
-        "max_input_tokens": dataclasses.asdict(bound),  # the bound applied (config has only the flag)
-        "tokenizer": tok_info,
-        "decode": {"backend": "decord", "resize": "PIL BICUBIC to the planned size (qwen-vl-utils: torchvision "
-                   "bicubic, antialias=True; same sizes, pixels differ slightly)", "jpeg_quality": config.jpeg_quality},
-        "answer_format": "JSON list of [start, end] window-local seconds with one decimal, e.g. [[1.0, 12.5]]; [] = negative",
-        "versions": _versions(),
-        "shard_files": [{"name": s["shard"], "sha256": s["sha256"], "bytes": s["bytes"], "samples": s["samples"],
-                         "sidecars": s["sidecars"]} for s in stats],
-    }
-    tmp = tmp_name(out / "build.json")
-    tmp.write_text(json.dumps(build_json, indent=1))
-    tmp.replace(out / "build.json")
-    return summary
+    summary = BuildSummary(
+        schema_version=SCHEMA_VERSION,
+        samples=samples.num_rows,
+        videos=len(set(samples.column("video_id").to_pylist())),
+        annotations_matched=len(anns),
+        shards=len(tasks),
+        shards_built=len(pending),
+        shards_skipped=len(tasks) - len(pending),
+        frames=sum(samples.column("num_frames").to_pylist()),
+        visual_tokens=sum(samples.column("visual_tokens").to_pylist()),
+        input_tokens=sum(samples.column("input_tokens").to_pylist()),
+        negatives=sum(1 for a in samples.column("answer").to_pylist() if a == "[]"),
+        negatives_dropped=sum(j.negatives_dropped for j in jobs),
+        rejects=rejects.num_rows,
+        rejects_by_reason=dict(sorted(Counter(rejects.column("reason").to_pylist()).items())),
+        timings_s=Timings(probe=round(probe_s, 3), shards=round(shards_s, 3), assemble=round(assemble_s, 3),
+                          total=round(total_s, 3)),
+        throughput=Throughput(videos_per_s=_rate(sum(s["videos"] for s in done_stats), shards_s),
+                              windows_per_s=_rate(sum(s["samples"] for s in done_stats), shards_s),
+                              realtime_factor=_rate(source_s, shards_s)),
+    )
+    versions = package_versions()
+    BuildRecord(
+        summary=summary,
+        model_family=config.model_family,
+        prompt=PromptInfo(layout=config.prompt_layout, transformers=versions.get("transformers")),
+        tokenizer=tok_info,
+        decode=DecodeInfo(backend="decord", resize="PIL BICUBIC to the planned size (qwen-vl-utils: torchvision "
+                          "bicubic, antialias=True; same sizes, pixels differ slightly)", jpeg_quality=config.jpeg_quality),
+        answer_format=ANSWER_FORMAT,
+        versions=versions,
+        shard_files=[ShardFile(name=s["shard"], sha256=s["sha256"], bytes=s["bytes"], samples=s["samples"],
+                               sidecars={k: FileEntry(**v) for k, v in s["sidecars"].items()}) for s in stats],
+        config=config.to_json(),
+        budget=dataclasses.asdict(budget),
+        max_input_tokens=bound,
+    ).write(out, tmp=tmp_name(out / BUILD_JSON))
+    return dataclasses.asdict(summary)
 
 
 def _rate(x: float, seconds: float) -> float | None:
@@ -759,6 +776,10 @@ def parser() -> argparse.ArgumentParser:
     a("--allow-outside-videos", action="store_true",
       help="read annotation paths that resolve (symlinks followed) outside --videos, e.g. ../x.mp4 or /abs/x.mp4; "
            "by default each is rejected (path_outside_videos)")
+    a("--prompt-layout", choices=sorted(LAYOUTS), default=DEFAULT_LAYOUT,
+      help="how the video item expands: nested = what transformers 5.x's Qwen3VLProcessor produces (the chat "
+           "template's <|vision_start|>..<|vision_end|> kept around the per-group blocks); flat = transformers "
+           "4.57 / vLLM before PR 46957 (wrapper replaced). Pick the one your serving stack produces")
     a("--query", default=DEFAULT_QUERY, help="instruction for annotations without their own query")
     a("--query-template", default=None,
       help="how an annotation's own query becomes the instruction, with {query} (default: '{query}'; "

@@ -15,12 +15,12 @@ import json
 import re
 import statistics
 import sys
-import tarfile
 from collections import Counter
 from pathlib import Path
 
-from schemas.manifest import RejectRecord, SampleRecord, read_records
-from schemas.shard import JSON_EXT, ShardSample, frame_ext
+from schemas.manifest import RejectRecord, SampleRecord, SchemaError, read_records
+from schemas.build import BuildRecord
+from schemas.shard import ShardError, ShardReader, ShardSample
 
 HIST_WIDTH = 40  # characters of the longest histogram bar
 HIST_BINS = 8
@@ -67,8 +67,8 @@ def inspect_shards(path: str | Path) -> dict:
     root = Path(path)
     records = read_records(root / "manifest.parquet", SampleRecord)
     rejects = read_records(root / "rejects.parquet", RejectRecord) if (root / "rejects.parquet").exists() else []
-    build = json.loads((root / "build.json").read_text()) if (root / "build.json").exists() else {}
-    config = build.get("config", {})
+    build = BuildRecord.read(root)
+    config = build.config
     windows_per_video = Counter(r.video_id for r in records)
     fields = ("num_frames", "visual_tokens", "text_tokens", "supervised_tokens", "input_tokens")
     return {
@@ -76,7 +76,7 @@ def inspect_shards(path: str | Path) -> dict:
         "samples": len(records),
         "videos": len(windows_per_video),
         "shards": len({r.shard for r in records}),
-        "shard_bytes": sum(s.get("bytes", 0) for s in build.get("shard_files", [])),
+        "shard_bytes": sum(s.bytes for s in build.shard_files),
         "windows": len(records),
         "positives": sum(1 for r in records if r.segments),
         "negatives": sum(1 for r in records if not r.segments),
@@ -90,7 +90,8 @@ def inspect_shards(path: str | Path) -> dict:
         "stride_seconds": config.get("stride_seconds"),
         "max_input_tokens": config.get("max_input_tokens"),
         "jpeg_quality": config.get("jpeg_quality"),
-        "budget": build.get("budget"),
+        "budget": build.budget,
+        "prompt_layout": build.prompt.layout,
         "rejects": len(rejects),
         "rejects_by_reason": dict(sorted(Counter(r.reason for r in rejects).items())),
         "rejects_by_stage": dict(sorted(Counter(r.stage for r in rejects).items())),
@@ -106,7 +107,7 @@ def summary_lines(s: dict) -> list[str]:
         f"median {s['windows_per_video']['median']}, max {s['windows_per_video']['max']}",
         f"budget: {b.get('model_family')} {b.get('video_min_tokens')}-{b.get('video_max_tokens')} tokens/frame, "
         f"{b.get('fps')} fps, frames {b.get('min_frames')}-{b.get('max_frames')}, "
-        f"max input tokens {s['max_input_tokens']}, jpeg quality {s['jpeg_quality']}",
+        f"max input tokens {s['max_input_tokens']}, jpeg quality {s['jpeg_quality']}, prompt layout {s['prompt_layout']}",
     ]
     for name in ("num_frames", "visual_tokens", "text_tokens", "supervised_tokens", "input_tokens"):
         st = s[name]
@@ -133,18 +134,8 @@ def find_record(root: Path, sample: str) -> SampleRecord:
 
 
 def read_sample(root: Path, record: SampleRecord) -> tuple[ShardSample, list[bytes]]:
-    """The sample's JSON and JPEG bytes from its tar."""
-    wanted = {f"{record.key}.{JSON_EXT}"} | {f"{record.key}.{frame_ext(i)}" for i in range(record.num_frames)}
-    found: dict[str, bytes] = {}
-    with tarfile.open(root / record.shard, "r:") as tar:
-        for info in tar:
-            if info.name in wanted:
-                found[info.name] = tar.extractfile(info).read()
-    missing = sorted(wanted - set(found))
-    if missing:
-        raise KeyError(f"sample {record.sample_id}: {record.shard} lacks {missing[:3]} (run `python -m prep verify`)")
-    meta = ShardSample.from_json(json.loads(found[f"{record.key}.{JSON_EXT}"]))
-    return meta, [found[f"{record.key}.{frame_ext(i)}"] for i in range(record.num_frames)]
+    """The sample's JSON and JPEG bytes from its tar, through the trainer's reader (digests checked)."""
+    return ShardReader(root).read(record)
 
 
 def sample_lines(record: SampleRecord, meta: ShardSample) -> list[str]:
@@ -245,7 +236,11 @@ def cli(argv: list[str] | None = None) -> int:
     if args.sample is None:
         if args.out is not None:
             parser().error("--out needs --sample")
-        s = inspect_shards(args.shards)
+        try:
+            s = inspect_shards(args.shards)
+        except SchemaError as e:
+            print(f"prep inspect: error: {e}", file=sys.stderr)
+            return 2
         print(json.dumps(s, sort_keys=True) if args.json else "\n".join(summary_lines(s)))
         return 0
     root = args.shards
@@ -254,6 +249,12 @@ def cli(argv: list[str] | None = None) -> int:
         meta, jpegs = read_sample(root, record)
     except KeyError as e:
         print(f"prep inspect: error: {e.args[0]}", file=sys.stderr)
+        return 2
+    except SchemaError as e:
+        print(f"prep inspect: error: {e}", file=sys.stderr)
+        return 2
+    except ShardError as e:
+        print(f"prep inspect: error: {e} (run `python -m prep verify {root}`)", file=sys.stderr)
         return 2
     out = args.out or Path(re.sub(r"[^A-Za-z0-9_.-]+", "_", record.key) + ".png")
     png = contact_sheet(record, jpegs, out)

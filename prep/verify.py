@@ -4,13 +4,15 @@ Checks, each problem naming its shard and sample:
   shards    every tar of build.json exists and has the recorded sha256 and size; no unlisted tars
   sidecars  every shard's samples/rejects parquet exists with the recorded sha256 and size and holds, row
             for row, what manifest.parquet / rejects.parquet hold for that shard (each sample is named)
-  members   every manifest row has `<key>.json` and exactly num_frames JPEGs of (width, height) in its tar,
-            the JSON record equals the manifest row, no tar member belongs to no row
-  record    the row agrees with itself: frames vs grid_t, size vs grid, visual tokens vs grid, token sums,
-            video pad count and supervised span in input_ids
-  tokens    input_ids equal a fresh tokenize_sample() with the build's tokenizer
-  budget    frame indices, times, size and grid equal prep.budget.plan_frames() for the source as probed
-            now (the manifest keeps no source fps/size: the source video is re-probed with prep.probe)
+  members   every manifest row reads back through schemas.shard.ShardReader (the trainer's reader):
+            `<key>.json` equal to the row, every frame's sha256 as recorded, no stray member; every frame
+            a JPEG of (width, height); no tar member belongs to no row
+  record    the row agrees with itself and with its input_ids (SampleRecord.problems, the rule the trainer
+            and predict apply too)
+  tokens    input_ids equal a fresh tokenize_sample() with the build's tokenizer and prompt layout
+  budget    frame indices, times, size and grid equal prep.budget.plan_frames() for the source facts the
+            manifest records (fps, frames, size)
+  source    the sources as probed now still have those facts (skipped with --skip-source)
   redecode  for a seeded random subset, the stored JPEGs match the source frames decoded by plain decord
             and resized like the build (mean absolute difference under a JPEG-noise threshold)
 Problems are data (listed, exit 1); a bug in this module crashes.
@@ -24,7 +26,6 @@ import json
 import math
 import random
 import sys
-import tarfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -32,8 +33,9 @@ import numpy as np
 from PIL import Image
 
 from prep.budget import SPATIAL_MERGE, FramePlan, VideoBudget, group_times, plan_frames
+from schemas.build import BuildRecord, ShardFile
 from schemas.manifest import RejectRecord, SampleRecord, read_records
-from schemas.shard import JSON_EXT, ShardSample, frame_ext
+from schemas.shard import ShardError, ShardReader, ShardSample
 
 # Mean absolute difference (0-255 levels) between a stored JPEG and the source frame resized the same way.
 # JPEG at quality 95 leaves ~1 level on natural frames and ~3.4 at worst on the synthetic test videos'
@@ -41,6 +43,7 @@ from schemas.shard import JSON_EXT, ShardSample, frame_ext
 # with a low --jpeg-quality need a higher threshold (--max-diff).
 DEFAULT_MAX_DIFF = 6.0
 TIME_TOL = 1e-6
+SOURCE_FACTS = ("fps", "frames", "width", "height", "codec", "rotation")  # ProbeResult field = SampleRecord.source_<field>
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -64,7 +67,7 @@ class VerifyReport:
     shards: int = 0  # tars checked
     samples: int = 0  # manifest rows
     frames: int = 0  # JPEG members checked for size
-    budget_checked: int = 0  # rows whose plan was recomputed from a fresh probe
+    budget_checked: int = 0  # rows whose plan was recomputed from the recorded source facts
     tokens_checked: int = 0  # rows re-tokenized
     redecoded: list[str] = dataclasses.field(default_factory=list)  # sample ids compared with the source
     max_redecode_diff: float = 0.0  # largest per-frame mean abs difference seen
@@ -85,11 +88,11 @@ class VerifyReport:
 # ----------------------------------------------------------------------------------------------- checks
 
 
-def _shard_files(root: Path, build: dict, report: VerifyReport) -> set[str]:
+def _shard_files(root: Path, build: BuildRecord, report: VerifyReport) -> set[str]:
     """sha256/size of every listed tar; returns the names of the tars that are intact."""
     from prep.shards import sha256_file
 
-    listed = {s["name"]: s for s in build.get("shard_files", [])}
+    listed = {s.name: s for s in build.shard_files}
     intact = set()
     for name, entry in sorted(listed.items()):
         path = root / name
@@ -98,11 +101,11 @@ def _shard_files(root: Path, build: dict, report: VerifyReport) -> set[str]:
             continue
         report.shards += 1
         size, sha = path.stat().st_size, sha256_file(path)
-        if size != entry["bytes"] or sha != entry["sha256"]:
+        if size != entry.bytes or sha != entry.sha256:
             report.problems.append(Problem(
                 check="shards", shard=name, sample_id="",
                 detail=f"content changed since the build: sha256 {sha[:16]}... ({size} bytes), build.json "
-                       f"recorded {entry['sha256'][:16]}... ({entry['bytes']} bytes)"))
+                       f"recorded {entry.sha256[:16]}... ({entry.bytes} bytes)"))
         else:
             intact.add(name)
     for path in sorted(root.glob("shard-*.tar")):
@@ -112,7 +115,7 @@ def _shard_files(root: Path, build: dict, report: VerifyReport) -> set[str]:
     return intact
 
 
-def _check_sidecars(root: Path, listed: dict[str, dict], by_shard: dict[str, list[SampleRecord]],
+def _check_sidecars(root: Path, listed: dict[str, ShardFile], by_shard: dict[str, list[SampleRecord]],
                     rejects: list[RejectRecord], report: VerifyReport) -> dict[tuple[str, str], str]:
     """Each shard's sidecars against build.json (sha256, size) and against the assembled tables, row by row;
     returns (shard, key) -> sample_id of every sidecar row, so tar members can be named by their sample."""
@@ -125,148 +128,77 @@ def _check_sidecars(root: Path, listed: dict[str, dict], by_shard: dict[str, lis
         report.problems.append(Problem(check="sidecars", shard=shard, sample_id=sample_id, detail=detail))
 
     for name, entry in sorted(listed.items()):
-        if "sidecars" not in entry:
-            bad(name, "", "build.json records no sidecars for this shard (built by an older version: rebuild it)")
-            continue
         for kind, cls in (("samples", SampleRecord), ("rejects", RejectRecord)):
-            side = entry["sidecars"][kind]
-            path = root / side["name"]
+            side = entry.sidecars[kind]
+            path = root / side.name
             if not path.is_file():
-                bad(name, "", f"{side['name']} is missing (a rerun of the same build rebuilds this shard)")
+                bad(name, "", f"{side.name} is missing (a rerun of the same build rebuilds this shard)")
                 continue
             size, sha = path.stat().st_size, sha256_file(path)
-            if (size, sha) != (side["bytes"], side["sha256"]):
-                bad(name, "", f"{side['name']} changed since the build: sha256 {sha[:16]}... ({size} bytes), "
-                              f"build.json recorded {side['sha256'][:16]}... ({side['bytes']} bytes)")
+            if (size, sha) != (side.bytes, side.sha256):
+                bad(name, "", f"{side.name} changed since the build: sha256 {sha[:16]}... ({size} bytes), "
+                              f"build.json recorded {side.sha256[:16]}... ({side.bytes} bytes)")
             try:
                 rows = read_records(path, cls)
             except (OSError, ValueError) as e:
-                bad(name, "", f"{side['name']} cannot be read: {e}")
+                bad(name, "", f"{side.name} cannot be read: {e}")
                 continue
             if kind == "rejects":
                 for r in rows:
                     if assembled_rejects[dataclasses.astuple(r)] == 0:
-                        bad(name, r.video_id, f"reject {r.stage}/{r.reason} of {side['name']} is not in rejects.parquet")
+                        bad(name, r.video_id, f"reject {r.stage}/{r.reason} of {side.name} is not in rejects.parquet")
                 continue
             mine = {r.sample_id: r for r in rows}
             ids.update({(name, r.key): r.sample_id for r in rows})
             manifest = {r.sample_id: r for r in by_shard.get(name, [])}
             for sid in sorted(mine.keys() - manifest.keys()):
-                bad(name, sid, f"in {side['name']} but not in manifest.parquet (lost from the manifest)")
+                bad(name, sid, f"in {side.name} but not in manifest.parquet (lost from the manifest)")
             for sid in sorted(manifest.keys() - mine.keys()):
-                bad(name, sid, f"in manifest.parquet but not in {side['name']}")
+                bad(name, sid, f"in manifest.parquet but not in {side.name}")
             for sid in sorted(mine.keys() & manifest.keys()):
                 a, b = dataclasses.asdict(mine[sid]), dataclasses.asdict(manifest[sid])
                 if a != b:
-                    bad(name, sid, f"{side['name']} and manifest.parquet disagree on {[k for k in a if a[k] != b[k]]}")
+                    bad(name, sid, f"{side.name} and manifest.parquet disagree on {[k for k in a if a[k] != b[k]]}")
     return ids
 
 
-@dataclasses.dataclass(frozen=True)
-class Member:
-    """A tar member as verify needs it: frames are parsed while streaming, bytes kept only where needed."""
-
-    data: bytes | None  # the JSON, and the frames of samples picked for re-decode
-    image: tuple[str, int, int] | None = None  # (format, width, height) of a frame
-    error: str = ""  # why a frame is not an image
-
-
-def _scan_tar(path: Path, keep: set[str]) -> dict[str, dict[str, Member]]:
-    """key -> {extension: Member} for every file member; frame bytes are kept for the keys in `keep` only,
-    so memory stays at one member, not one shard."""
-    out: dict[str, dict[str, Member]] = defaultdict(dict)
-    with tarfile.open(path, "r:") as tar:
-        for info in tar:
-            if not info.isfile():
-                continue
-            key, _, ext = info.name.partition(".")
-            data = tar.extractfile(info).read()
-            if ext == JSON_EXT:
-                out[key][ext] = Member(data=data)
-                continue
-            try:
-                with Image.open(io.BytesIO(data)) as img:
-                    image, error = (img.format, *img.size), ""
-            except (OSError, ValueError) as e:
-                image, error = None, str(e)
-            out[key][ext] = Member(data=data if key in keep else None, image=image, error=error)
-    return out
-
-
-def _check_members(rec: SampleRecord, members: dict[str, Member], report: VerifyReport) -> ShardSample | None:
-    """The sample's JSON and frames in its tar; returns the parsed JSON when it is readable."""
-    problems = []
-
-    def bad(detail: str) -> None:
-        problems.append(Problem(check="members", shard=rec.shard, sample_id=rec.sample_id, detail=detail))
-
-    meta = None
-    if JSON_EXT not in members:
-        bad(f"member {rec.key}.{JSON_EXT} is missing")
-    else:
+def _check_members(rec: SampleRecord, reader: ShardReader, report: VerifyReport) -> tuple[ShardSample | None, list]:
+    """The sample through the trainer's reader, every problem kept; plus each frame's image format and size.
+    Returns the parsed JSON (None when unreadable) and the frames' bytes (None where damaged or missing)."""
+    got = reader.check(rec)
+    for e in got.errors:
+        report.problems.append(Problem(check="members", shard=rec.shard, sample_id=rec.sample_id,
+                                       detail=str(e).removeprefix(f"sample {rec.sample_id}: ")))
+    for i, data in enumerate(got.frames):
+        if data is None:
+            continue
         try:
-            meta = ShardSample.from_json(json.loads(members[JSON_EXT].data))
-        except (ValueError, KeyError, TypeError) as e:
-            bad(f"{rec.key}.{JSON_EXT} is not a sample record: {e}")
-        else:
-            if meta.record != rec:
-                a, b = dataclasses.asdict(meta.record), dataclasses.asdict(rec)
-                bad(f"{rec.key}.{JSON_EXT} disagrees with the manifest on {[k for k in b if a[k] != b[k]]}")
-    expected = {frame_ext(i) for i in range(rec.num_frames)}
-    frames = {ext for ext in members if ext != JSON_EXT}
-    for ext in sorted(expected - frames):
-        bad(f"member {rec.key}.{ext} is missing (num_frames={rec.num_frames})")
-    for ext in sorted(frames - expected):
-        bad(f"unexpected member {rec.key}.{ext} (num_frames={rec.num_frames})")
-    for ext in sorted(expected & frames):
-        m = members[ext]
-        if m.image is None:
-            bad(f"{rec.key}.{ext} is not an image: {m.error}")
+            with Image.open(io.BytesIO(data)) as img:
+                image = (img.format, *img.size)
+        except (OSError, ValueError) as e:
+            report.problems.append(Problem(check="members", shard=rec.shard, sample_id=rec.sample_id,
+                                           detail=f"frame {i} of {rec.key} is not an image: {e}"))
             continue
         report.frames += 1
-        if m.image != ("JPEG", rec.width, rec.height):
-            bad(f"{rec.key}.{ext} is {m.image[0]} {m.image[1]}x{m.image[2]}, the record says JPEG {rec.width}x{rec.height}")
-    report.problems.extend(problems)
-    return meta
+        if image != ("JPEG", rec.width, rec.height):
+            report.problems.append(Problem(
+                check="members", shard=rec.shard, sample_id=rec.sample_id,
+                detail=f"frame {i} of {rec.key} is {image[0]} {image[1]}x{image[2]}, the record says JPEG {rec.width}x{rec.height}"))
+    return got.sample, got.frames
 
 
 def _check_record(rec: SampleRecord, meta: ShardSample | None, budget: VideoBudget, pad_id: int | None,
-                  report: VerifyReport) -> None:
-    """The row against itself and its own input_ids."""
-    p = budget.patch_size
-    facts = [
-        (rec.num_frames == len(rec.frame_indices) == len(rec.frame_times_s),
-         f"num_frames {rec.num_frames}, {len(rec.frame_indices)} frame_indices, {len(rec.frame_times_s)} frame_times_s"),
-        (rec.num_frames == 2 * rec.grid_t and len(rec.group_times_s) == rec.grid_t,
-         f"num_frames {rec.num_frames}, grid_t {rec.grid_t}, {len(rec.group_times_s)} group_times_s"),
-        ((rec.height, rec.width) == (rec.grid_h * p, rec.grid_w * p) and rec.grid_h % SPATIAL_MERGE == 0
-         and rec.grid_w % SPATIAL_MERGE == 0,
-         f"{rec.width}x{rec.height} vs grid_h {rec.grid_h} x grid_w {rec.grid_w} at patch {p}"),
-        (rec.visual_tokens == rec.grid_t * rec.grid_h * rec.grid_w // SPATIAL_MERGE**2,
-         f"visual_tokens {rec.visual_tokens} vs grid {rec.grid_t}x{rec.grid_h}x{rec.grid_w}/4"),
-        (rec.input_tokens == rec.visual_tokens + rec.text_tokens,
-         f"input_tokens {rec.input_tokens} != visual {rec.visual_tokens} + text {rec.text_tokens}"),
-        (rec.window_start_s < rec.window_end_s and all(rec.window_start_s - TIME_TOL <= t < rec.window_end_s + TIME_TOL
-                                                       for t in rec.frame_times_s),
-         f"frame times {rec.frame_times_s[:1]}..{rec.frame_times_s[-1:]} outside the window "
-         f"{rec.window_start_s}-{rec.window_end_s}"),
-    ]
-    if meta is not None:
-        ids = meta.input_ids
-        facts.append((len(ids) == rec.input_tokens, f"{len(ids)} input_ids, input_tokens {rec.input_tokens}"))
-        facts.append((len(ids) - meta.prompt_tokens == rec.supervised_tokens,
-                      f"{len(ids)} input_ids - prompt_tokens {meta.prompt_tokens} != supervised_tokens {rec.supervised_tokens}"))
-        if pad_id is not None:
-            facts.append((ids.count(pad_id) == rec.visual_tokens,
-                          f"{ids.count(pad_id)} <|video_pad|> in input_ids, visual_tokens {rec.visual_tokens}"))
-    for holds, detail in facts:
-        if not holds:
-            report.problems.append(Problem(check="record", shard=rec.shard, sample_id=rec.sample_id, detail=detail))
+                  max_input_tokens: int | None, report: VerifyReport) -> None:
+    """The row against itself and its own input_ids: the same rule the trainer's pre-flight applies."""
+    for detail in rec.problems(patch_size=budget.patch_size, merge_size=SPATIAL_MERGE, max_input_tokens=max_input_tokens,
+                               input_ids=meta.input_ids if meta else None,
+                               prompt_tokens=meta.prompt_tokens if meta else None, video_token_id=pad_id):
+        report.problems.append(Problem(check="record", shard=rec.shard, sample_id=rec.sample_id, detail=detail))
 
 
-def _expected_plan(rec: SampleRecord, probe, budget: VideoBudget, max_input_tokens: int | None) -> FramePlan:
+def _expected_plan(rec: SampleRecord, budget: VideoBudget, max_input_tokens: int | None) -> FramePlan:
     """The plan the build should have made; a lower frame count is legal only under --max-input-tokens."""
-    kw = dict(height=probe.height, width=probe.width, fps=probe.fps, total_frames=probe.frames,
+    kw = dict(height=rec.source_height, width=rec.source_width, fps=rec.source_fps, total_frames=rec.source_frames,
               start_s=rec.window_start_s, end_s=rec.window_end_s)
     full = plan_frames(budget, **kw)
     if max_input_tokens is not None and rec.num_frames < len(full.frame_indices):
@@ -274,49 +206,47 @@ def _expected_plan(rec: SampleRecord, probe, budget: VideoBudget, max_input_toke
     return full
 
 
-def _check_budget(rec: SampleRecord, probe, budget: VideoBudget, max_input_tokens: int | None,
-                  report: VerifyReport) -> None:
+def _check_budget(rec: SampleRecord, budget: VideoBudget, max_input_tokens: int | None, report: VerifyReport) -> None:
     def bad(detail: str) -> None:
         report.problems.append(Problem(check="budget", shard=rec.shard, sample_id=rec.sample_id, detail=detail))
 
     try:
-        plan = _expected_plan(rec, probe, budget, max_input_tokens)
+        plan = _expected_plan(rec, budget, max_input_tokens)
     except ValueError as e:
-        bad(f"prep.budget refuses this window of the source as probed now: {e}")
+        bad(f"prep.budget refuses this window of the recorded source: {e}")
         return
     report.budget_checked += 1
     if rec.frame_indices != plan.frame_indices:
         bad(f"frame_indices {_short(rec.frame_indices)} != planned {_short(plan.frame_indices)} "
-            f"({probe.frames} frames at {probe.fps:.3f} fps, window {rec.window_start_s}-{rec.window_end_s} s)")
+            f"({rec.source_frames} frames at {rec.source_fps:.3f} fps, window {rec.window_start_s}-{rec.window_end_s} s)")
     got = (rec.height, rec.width, rec.grid_t, rec.grid_h, rec.grid_w)
     want = (plan.height, plan.width, plan.grid_t, plan.grid_h, plan.grid_w)
     if got != want:
-        bad(f"(height, width, grid_t, grid_h, grid_w) {got} != planned {want} for a {probe.width}x{probe.height} source")
-    times = [i / probe.fps for i in rec.frame_indices]
+        bad(f"(height, width, grid_t, grid_h, grid_w) {got} != planned {want} for a "
+            f"{rec.source_width}x{rec.source_height} source")
+    times = [i / rec.source_fps for i in rec.frame_indices]
     if not _close(rec.frame_times_s, times):
-        bad(f"frame_times_s {_short(rec.frame_times_s)} != frame_indices / {probe.fps:.3f} fps {_short(times)}")
+        bad(f"frame_times_s {_short(rec.frame_times_s)} != frame_indices / {rec.source_fps:.3f} fps {_short(times)}")
     elif not _close(rec.group_times_s, group_times(times, rec.window_start_s)):
         bad(f"group_times_s {_short(rec.group_times_s)} != {_short(group_times(times, rec.window_start_s))}")
-    if max_input_tokens is not None and rec.input_tokens > max_input_tokens:
-        bad(f"input_tokens {rec.input_tokens} > the build's bound {max_input_tokens}")
 
 
-def _redecode(rec: SampleRecord, source: Path, members: dict[str, Member], max_diff: float, report: VerifyReport) -> None:
+def _redecode(rec: SampleRecord, source: Path, frames: list[bytes], max_diff: float, report: VerifyReport) -> None:
     """Plain decord (not the build's chunked decoder) + PIL bicubic, vs the stored JPEGs."""
     import decord
 
     try:
-        frames = decord.VideoReader(str(source), ctx=decord.cpu(0)).get_batch(rec.frame_indices).asnumpy()
+        decoded = decord.VideoReader(str(source), ctx=decord.cpu(0)).get_batch(rec.frame_indices).asnumpy()
     except (decord.DECORDError, RuntimeError) as e:
         report.problems.append(Problem(check="redecode", shard=rec.shard, sample_id=rec.sample_id,
                                        detail=f"decord cannot decode frames {_short(rec.frame_indices)} of {source}: {e}"))
         return
     diffs = []
-    for i, frame in enumerate(frames):
+    for i, frame in enumerate(decoded):
         img = Image.fromarray(frame)
         if img.size != (rec.width, rec.height):
             img = img.resize((rec.width, rec.height), Image.Resampling.BICUBIC)
-        with Image.open(io.BytesIO(members[frame_ext(i)].data)) as stored:
+        with Image.open(io.BytesIO(frames[i])) as stored:
             diffs.append(float(np.abs(np.asarray(stored.convert("RGB"), np.int16) - np.asarray(img, np.int16)).mean()))
     report.redecoded.append(rec.sample_id)
     report.max_redecode_diff = max(report.max_redecode_diff, *diffs)
@@ -351,45 +281,50 @@ def verify_shards(
     max_diff: float = DEFAULT_MAX_DIFF,
 ) -> VerifyReport:
     """Run every check over the build in `path`. videos: where the sources are now (default: the build's
-    --videos); skip_source: do without them (no budget recheck, no re-decode; said in report.skipped)."""
+    --videos); skip_source: do without them (no source recheck, no re-decode; said in report.skipped)."""
     root = Path(path)
     report = VerifyReport()
     try:
-        build = json.loads((root / "build.json").read_text())
+        build = BuildRecord.read(root)
         records = read_records(root / "manifest.parquet", SampleRecord)
         rejects = read_records(root / "rejects.parquet", RejectRecord)
     except (OSError, ValueError) as e:
         report.problems.append(Problem(check="build", shard="", sample_id="", detail=f"cannot read the build: {e}"))
         return report
     report.samples = len(records)
-    budget = VideoBudget(**build["budget"])
-    config = build.get("config", {})
+    budget = VideoBudget(**build.budget)
+    max_input_tokens = build.max_input_tokens.tokens  # the bound the build applied (the model's maximum by default)
+    layouts = {r.prompt_layout for r in records}
+    if layouts - {build.prompt.layout}:
+        report.problems.append(Problem(check="build", shard="", sample_id="",
+                                       detail=f"build.json records prompt layout {build.prompt.layout}, the manifest "
+                                              f"{sorted(layouts)}"))
 
     intact = _shard_files(root, build, report)
-    listed = {s["name"]: s for s in build.get("shard_files", [])}
+    listed = {s.name: s for s in build.shard_files}
     by_shard: dict[str, list[SampleRecord]] = defaultdict(list)
     for rec in records:
         by_shard[rec.shard].append(rec)
     sidecar_ids = _check_sidecars(root, listed, by_shard, rejects, report)
     for name, entry in listed.items():
-        if len(by_shard.get(name, [])) != entry["samples"]:
+        if len(by_shard.get(name, [])) != entry.samples:
             report.problems.append(Problem(check="shards", shard=name, sample_id="",
                                            detail=f"manifest has {len(by_shard.get(name, []))} rows for this shard, "
-                                                  f"build.json says {entry['samples']} samples"))
+                                                  f"build.json says {entry.samples} samples"))
 
-    # sources first: the re-decode subset is picked before the tars are streamed, so only its frames are kept
-    video_root = Path(videos) if videos is not None else Path(config.get("videos", "."))
+    video_root = Path(videos) if videos is not None else Path(build.config.get("videos", "."))
     if skip_source:
-        report.skipped.append("budget recheck and re-decode: --skip-source")
-        probes = {}
+        report.skipped.append("source recheck and re-decode: --skip-source")
+        sources_ok: set[str] = set()
     else:
-        probes = _probe_sources(video_root, records, report)
-    candidates = sorted(r.sample_id for r in records if r.source_path in probes)
+        sources_ok = _check_sources(video_root, records, report)
+    candidates = sorted(r.sample_id for r in records if r.source_path in sources_ok)
     chosen = set(random.Random(seed).sample(candidates, min(redecode, len(candidates))))
-    keep_keys = {r.key for r in records if r.sample_id in chosen}
 
-    tokenizer, pad_id = _tokenizer(build, report)
-    to_redecode: list[tuple[SampleRecord, dict[str, Member]]] = []
+    tokenizer = _tokenizer(build, report)
+    pad_id = build.tokenizer.special_token_ids.get("<|video_pad|>")
+    reader = ShardReader(root)
+    to_redecode: list[tuple[SampleRecord, list[bytes]]] = []
     for name in sorted(by_shard):
         rows = by_shard[name]
         if name not in listed:
@@ -398,59 +333,54 @@ def verify_shards(
                                                detail="the manifest names a shard build.json does not list"))
             continue
         try:
-            members = _scan_tar(root / name, keep_keys)
-        except (OSError, tarfile.TarError) as e:
+            member_names = reader.index(name)
+        except ShardError as e:
             report.problems.append(Problem(check="members", shard=name, sample_id="",
-                                           detail=f"tar cannot be read ({e}); its {len(rows)} samples are unchecked"))
+                                           detail=f"{e}; its {len(rows)} samples are unchecked"))
             continue
-        for key in sorted(set(members) - {r.key for r in rows}):
+        keys = {r.key for r in rows}
+        for key in sorted({m.split(".", 1)[0] for m in member_names} - keys):
             report.problems.append(Problem(check="members", shard=name, sample_id=sidecar_ids.get((name, key), ""),
                                            detail=f"members {key}.* belong to no manifest row"))
         for rec in rows:
-            sample = members.get(rec.key, {})
-            meta = _check_members(rec, sample, report)
-            _check_record(rec, meta, budget, pad_id, report)
+            meta, frames = _check_members(rec, reader, report)
+            _check_record(rec, meta, budget, pad_id, max_input_tokens, report)
             if tokenizer is not None and meta is not None:
                 _check_tokens(rec, meta, tokenizer, report)
-            complete = all(frame_ext(i) in sample for i in range(rec.num_frames))
-            if rec.sample_id in chosen and complete and name in intact:
-                to_redecode.append((rec, sample))
+            if rec.sample_id in chosen and name in intact and all(f is not None for f in frames):
+                to_redecode.append((rec, frames))
 
-    # the bound the build applied (the model's maximum by default); older builds recorded only the flag
-    max_input_tokens = (build.get("max_input_tokens") or {}).get("tokens", config.get("max_input_tokens"))
     for rec in records:
-        if rec.source_path in probes:
-            _check_budget(rec, probes[rec.source_path], budget, max_input_tokens, report)
-    for rec, sample in to_redecode:
-        _redecode(rec, video_root / rec.source_path, sample, max_diff, report)
+        _check_budget(rec, budget, max_input_tokens, report)
+    for rec, frames in to_redecode:
+        _redecode(rec, video_root / rec.source_path, frames, max_diff, report)
     return report
 
 
-def _tokenizer(build: dict, report: VerifyReport):
+def _tokenizer(build: BuildRecord, report: VerifyReport):
     """The build's tokenizer when it is still the same file (sha256), else None with a skip note."""
     import hashlib
 
-    from prep.tokens import BUNDLED_TOKENIZER, load_tokenizer
+    from schemas.prompt import BUNDLED_TOKENIZER, load_tokenizer
 
-    info = build.get("tokenizer", {})
-    path = Path(info.get("path") or BUNDLED_TOKENIZER)
-    pad_id = info.get("special_token_ids", {}).get("<|video_pad|>")
+    info = build.tokenizer
+    path = Path(info.path or BUNDLED_TOKENIZER)
     tj = path / "tokenizer.json"
     if not tj.is_file():
         report.skipped.append(f"re-tokenization: {tj} is gone")
-        return None, pad_id
-    if info.get("tokenizer_json_sha256") and hashlib.sha256(tj.read_bytes()).hexdigest() != info["tokenizer_json_sha256"]:
+        return None
+    if hashlib.sha256(tj.read_bytes()).hexdigest() != info.tokenizer_json_sha256:
         report.skipped.append(f"re-tokenization: {tj} changed since the build (sha256 differs)")
-        return None, pad_id
-    return load_tokenizer(None if info.get("bundled") else str(path)), pad_id
+        return None
+    return load_tokenizer(None if info.bundled else str(path))
 
 
 def _check_tokens(rec: SampleRecord, meta: ShardSample, tokenizer, report: VerifyReport) -> None:
-    from prep.tokens import tokenize_sample
+    from schemas.prompt import tokenize_sample
 
     try:
         tok = tokenize_sample(tokenizer, query=rec.query, answer=rec.answer, group_times_s=rec.group_times_s,
-                              tokens_per_group=rec.grid_h * rec.grid_w // SPATIAL_MERGE**2)
+                              tokens_per_group=rec.grid_h * rec.grid_w // SPATIAL_MERGE**2, layout=rec.prompt_layout)
     except ValueError as e:
         report.problems.append(Problem(check="tokens", shard=rec.shard, sample_id=rec.sample_id, detail=str(e)))
         return
@@ -464,10 +394,11 @@ def _check_tokens(rec: SampleRecord, meta: ShardSample, tokenizer, report: Verif
                    f"tokenization ({len(tok.input_ids)}, prompt {tok.prompt_tokens}) from position {first}"))
 
 
-def _probe_sources(video_root: Path, records: list[SampleRecord], report: VerifyReport) -> dict:
+def _check_sources(video_root: Path, records: list[SampleRecord], report: VerifyReport) -> set[str]:
+    """Probe each source once; it must still have the facts its rows record. Returns the sources that do."""
     from prep.probe import ProbeFailure, probe_video
 
-    probes = {}
+    ok = set()
     for source in sorted({r.source_path for r in records}):
         path = video_root / source
         rows = [r for r in records if r.source_path == source]
@@ -476,11 +407,18 @@ def _probe_sources(video_root: Path, records: list[SampleRecord], report: Verify
             why = f"{path} is missing" if got is None else f"probe fails now: {got.reason}: {got.detail}"
             report.problems.append(Problem(
                 check="source", shard=rows[0].shard, sample_id=rows[0].sample_id,
-                detail=f"{why}; budget recheck and re-decode impossible for its {len(rows)} samples "
-                       f"(pass --videos DIR, or --skip-source)"))
+                detail=f"{why}; re-decode impossible for its {len(rows)} samples (pass --videos DIR, or --skip-source)"))
             continue
-        probes[source] = got
-    return probes
+        now = {k: getattr(got, k) for k in SOURCE_FACTS}
+        changed = sorted({k for r in rows for k in SOURCE_FACTS if getattr(r, f"source_{k}") != now[k]})
+        if changed:
+            r = rows[0]
+            what = ", ".join(f"{k} {getattr(r, 'source_' + k)} -> {now[k]}" for k in changed)
+            report.problems.append(Problem(check="source", shard=r.shard, sample_id=r.sample_id,
+                                           detail=f"{path} changed since the build: {what}"))
+            continue
+        ok.add(source)
+    return ok
 
 
 # ----------------------------------------------------------------------------------------------- CLI
@@ -493,7 +431,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--redecode", type=int, default=4, help="samples re-decoded from their source and compared")
     ap.add_argument("--seed", type=int, default=0, help="seed choosing the re-decoded samples")
     ap.add_argument("--videos", type=Path, default=None, help="where the source videos are now (default: the build's --videos)")
-    ap.add_argument("--skip-source", action="store_true", help="no budget recheck or re-decode (sources not available)")
+    ap.add_argument("--skip-source", action="store_true", help="no source recheck or re-decode (sources not available; the budget is rechecked from the recorded source facts)")
     ap.add_argument("--max-diff", type=float, default=DEFAULT_MAX_DIFF,
                     help="re-decode threshold: mean absolute difference per frame, 0-255 levels")
     ap.add_argument("--json", action="store_true", help="print only the JSON report")

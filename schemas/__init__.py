@@ -2,6 +2,7 @@
 from schemas.manifest import (
     SCHEMA_VERSION,
     RejectRecord,
+    SchemaError,
     SampleRecord,
     Segment,
     arrow_schema,
@@ -10,4 +11,4 @@ from schemas.manifest import (
     write_records,
 )
 
-__all__ = ["SCHEMA_VERSION", "RejectRecord", "SampleRecord", "Segment", "arrow_schema", "from_dict", "read_records", "write_records"]
+__all__ = ["SCHEMA_VERSION", "RejectRecord", "SchemaError", "SampleRecord", "Segment", "arrow_schema", "from_dict", "read_records", "write_records"]

@@ -16,9 +16,14 @@ from typing import Any, TypeVar
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"  # 2: source facts, prompt layout and member sha256 per sample
 _VERSION_KEY = b"video_ora.schema_version"
 _KIND_KEY = b"video_ora.record"
+TIME_TOL = 1e-6  # seconds: frame times are recomputed from indices and fps
+
+
+class SchemaError(ValueError):
+    """A file of a build is of another schema version or kind; the message says how to rebuild it."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,6 +41,12 @@ class SampleRecord:
     sample_id: str  # "<video_id>/w<window index, 4 digits>", unique in a build
     video_id: str  # annotation id (or the file stem when the annotation has none)
     source_path: str  # video path relative to the build's --videos directory
+    source_fps: float  # the source's average frame rate as probed (decord): frame_times_s = frame_indices / this
+    source_frames: int  # frames in the source (decord's count)
+    source_width: int  # displayed source width in pixels (rotation applied)
+    source_height: int  # displayed source height in pixels
+    source_codec: str  # codec name (PyAV), e.g. h264
+    source_rotation: int  # display rotation of the source in degrees (0 when none; already applied to the frames)
     window_index: int  # 0-based position of the window in its video
     window_start_s: float  # source time where the window starts
     window_end_s: float  # source time where the window ends (a frame exactly here is sampled, as qwen-vl-utils does)
@@ -52,11 +63,91 @@ class SampleRecord:
     text_tokens: int  # every other input token (template, timestamps, query, answer)
     supervised_tokens: int  # tokens with a label: the answer plus the closing <|im_end|>
     input_tokens: int  # visual_tokens + text_tokens: the sequence length of this sample
+    prompt_layout: str  # how the video item expands in input_ids: nested | flat (schemas/prompt.py)
     query: str  # the instruction the user turn carries
     answer: str  # the rendered answer text the model is trained to produce
     segments: list[Segment]  # the answer as structured window-local segments ([] for a negative)
     shard: str  # tar file name holding the sample, relative to the shards directory
     key: str  # WebDataset key of the sample inside its tar
+    frame_sha256: list[str]  # sha256 of each frame's JPEG member, in order; readers check them before decoding
+    input_ids_sha256: str  # sha256 of the input_ids stored in `<key>.json` (schemas.shard.ids_sha256)
+
+    def problems(
+        self,
+        *,
+        patch_size: int,
+        temporal_patch_size: int = 2,
+        merge_size: int = 2,
+        max_input_tokens: int | None = None,
+        input_ids: list[int] | None = None,
+        prompt_tokens: int | None = None,
+        video_token_id: int | None = None,
+        frames_shape: tuple[int, int, int] | None = None,
+        pixel_rows: int | None = None,
+    ) -> list[str]:
+        """Everything that makes this record inconsistent, with the numbers ([] when it is consistent).
+
+        The one definition of a consistent sample, called by prep verify, the trainer's pre-flight and
+        predict. The record alone is always checked (frames = 2 x grid_t, size = grid x patch, video pads =
+        grid / merge^2, token sums, times inside the window and equal to frame index / source fps); the
+        keyword evidence adds checks when a caller has it: the sample's input_ids and prompt_tokens (with
+        the video pad id, the pad count), the decoded frames' (T, H, W), the patchified pixel rows.
+        """
+        p: list[str] = []
+        grid = [self.grid_t, self.grid_h, self.grid_w]
+        pads = self.grid_t * self.grid_h * self.grid_w // (merge_size * merge_size)
+        rows = self.grid_t * self.grid_h * self.grid_w
+        if not self.num_frames == len(self.frame_indices) == len(self.frame_times_s) == len(self.frame_sha256):
+            p.append(f"num_frames {self.num_frames}, {len(self.frame_indices)} frame_indices, "
+                     f"{len(self.frame_times_s)} frame_times_s, {len(self.frame_sha256)} frame_sha256")
+        if self.num_frames != temporal_patch_size * self.grid_t or len(self.group_times_s) != self.grid_t:
+            p.append(f"num_frames {self.num_frames}, grid_t {self.grid_t} (x{temporal_patch_size}), "
+                     f"{len(self.group_times_s)} group_times_s")
+        if (self.height, self.width) != (self.grid_h * patch_size, self.grid_w * patch_size):
+            p.append(f"size {self.height}x{self.width} does not match grid {self.grid_h}x{self.grid_w} of patch {patch_size}")
+        if self.grid_h % merge_size or self.grid_w % merge_size:
+            p.append(f"grid {self.grid_h}x{self.grid_w} is not divisible by merge size {merge_size}")
+        if self.visual_tokens != pads:
+            p.append(f"visual_tokens {self.visual_tokens}, grid needs {pads}")
+        if self.input_tokens != self.visual_tokens + self.text_tokens:
+            p.append(f"input_tokens {self.input_tokens} != visual {self.visual_tokens} + text {self.text_tokens}")
+        if self.supervised_tokens <= 0:
+            p.append("no supervised tokens")
+        elif self.supervised_tokens >= self.text_tokens:
+            p.append(f"supervised_tokens {self.supervised_tokens} leaves no prompt text ({self.text_tokens} text tokens)")
+        if max_input_tokens is not None and self.input_tokens > max_input_tokens:
+            p.append(f"{self.input_tokens} input tokens > limit {max_input_tokens}")
+        if not (self.window_start_s < self.window_end_s and all(
+                self.window_start_s - TIME_TOL <= t < self.window_end_s + TIME_TOL for t in self.frame_times_s)):
+            p.append(f"frame times {self.frame_times_s[:1]}..{self.frame_times_s[-1:]} outside the window "
+                     f"{self.window_start_s}-{self.window_end_s}")
+        if not self.source_fps > 0:
+            p.append(f"source_fps {self.source_fps} is not > 0")
+        elif any(abs(t - i / self.source_fps) > TIME_TOL for i, t in zip(self.frame_indices, self.frame_times_s)):
+            p.append(f"frame_times_s are not frame_indices / source_fps {self.source_fps:.4f}")
+        elif self.frame_indices and not 0 <= min(self.frame_indices) <= max(self.frame_indices) < self.source_frames:
+            p.append(f"frame_indices {min(self.frame_indices)}..{max(self.frame_indices)} outside the source's "
+                     f"{self.source_frames} frames")
+        if input_ids is not None:
+            if len(input_ids) != self.input_tokens:
+                p.append(f"{len(input_ids)} input ids, the manifest says input_tokens={self.input_tokens}")
+            if prompt_tokens is not None:
+                supervised = len(input_ids) - prompt_tokens
+                if supervised <= 0:
+                    p.append(f"no supervised tokens (prompt_tokens {prompt_tokens} >= {len(input_ids)} input ids)")
+                elif supervised != self.supervised_tokens:
+                    p.append(f"{supervised} supervised tokens, the manifest says {self.supervised_tokens}")
+            if video_token_id is not None and input_ids.count(video_token_id) != pads:
+                p.append(f"{input_ids.count(video_token_id)} video pad tokens in input_ids, grid {grid} needs "
+                         f"{self.grid_t}*{self.grid_h}*{self.grid_w}/{merge_size * merge_size} = {pads}")
+        if frames_shape is not None:
+            if frames_shape[0] != self.num_frames:
+                p.append(f"{frames_shape[0]} frames in the shard, the record says num_frames={self.num_frames}")
+            if tuple(frames_shape[1:3]) != (self.height, self.width):
+                p.append(f"frames are {frames_shape[1]}x{frames_shape[2]}, the record says {self.height}x{self.width}")
+        if pixel_rows is not None and pixel_rows != rows:
+            p.append(f"{pixel_rows} pixel rows, grid {grid} needs {self.grid_t}*{self.grid_h}*{self.grid_w} = {rows}")
+        return p
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -114,9 +205,11 @@ def read_records(path: str | Path, cls: type[R]) -> list[R]:
     version = meta.get(_VERSION_KEY, b"?").decode()
     kind = meta.get(_KIND_KEY, b"?").decode()
     if version != SCHEMA_VERSION or kind != cls.__name__:
-        raise ValueError(
+        from schemas.build import rebuild_command
+
+        raise SchemaError(
             f"{path}: holds {kind} records of schema version {version}; this package reads "
-            f"{cls.__name__} version {SCHEMA_VERSION}. Rebuild with `python -m prep build --overwrite`."
+            f"{cls.__name__} version {SCHEMA_VERSION}. Rebuild the shards: {rebuild_command(Path(path).parent)}"
         )
     return [from_dict(cls, row) for row in table.to_pylist()]
 

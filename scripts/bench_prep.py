@@ -19,7 +19,6 @@ Targets (issue 2): build >= 1.5x faster than fetch, within 1.3x of the floor, ne
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import multiprocessing
 import os
@@ -154,6 +153,7 @@ def _cpu_s() -> float:
 
 
 def bench(videos: Path, workers: list[int], repeats: int, work: Path) -> dict:
+    from schemas.build import BuildRecord
     from schemas.manifest import SampleRecord, read_records
 
     annotations = work / "annotations.jsonl"
@@ -162,7 +162,7 @@ def bench(videos: Path, workers: list[int], repeats: int, work: Path) -> dict:
     # one untimed build fixes the windows and frame indices the other legs use, and warms the page cache
     summary = leg_build(videos, annotations, out, max(workers))
     records = read_records(out / "manifest.parquet", SampleRecord)
-    budget = json.loads((out / "build.json").read_text())["budget"]
+    budget = BuildRecord.read(out).budget
     windows = [(str(videos / r.source_path), r.window_start_s, r.window_end_s) for r in records]
     per_video: dict[str, set[int]] = {}
     for r in records:
@@ -194,7 +194,7 @@ def bench(videos: Path, workers: list[int], repeats: int, work: Path) -> dict:
     # where the last build run spent its time, from its own per-shard stats (summed over worker processes)
     stats = [json.loads(p.read_text()) for p in out.glob("*.stats.json")]
     breakdown = {k: round(sum(s.get(k, 0.0) for s in stats), 3) for k in ("decode_s", "encode_s", "pipeline_s", "plan_s")}
-    breakdown["probe_s"] = json.loads((out / "build.json").read_text())["timings_s"]["probe"]
+    breakdown["probe_s"] = BuildRecord.read(out).summary.timings_s.probe
     med = {leg: {w: statistics.median(r) for w, r in by_w.items()} for leg, by_w in runs.items()}
     med_cpu = {leg: {w: statistics.median(r) for w, r in by_w.items()} for leg, by_w in cpu.items()}
     source_s = sum(_duration(p) for p in union)
@@ -259,13 +259,10 @@ def table_lines(res: dict) -> list[str]:
 
 
 def _versions() -> str:
-    from importlib import metadata
+    from schemas.versions import package_versions
 
-    out = []
-    for pkg in ("decord", "qwen-vl-utils", "torch", "torchvision", "pillow"):
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            out.append(f"{pkg} {metadata.version(pkg)}")
-    return ", ".join(out)
+    found = package_versions(("decord", "qwen-vl-utils", "torch", "torchvision", "pillow"))
+    return ", ".join(f"{pkg} {v}" for pkg, v in found.items() if v and pkg != "python")
 
 
 def markdown_section(res: dict, command: str, videos_label: str) -> str:

@@ -1,8 +1,8 @@
-"""Build the small tokenizer the package ships (prep/assets/tokenizer).
+"""Build the small tokenizer the package ships (schemas/assets/tokenizer).
 
 A byte-level BPE (digits split one by one, as Qwen does) trained on the kind of text the task uses, plus the
 Qwen special tokens and a Qwen3-VL style chat template. Tests and the demo use it so nothing needs a hub.
-Run: python scripts/make_tokenizer.py [--out prep/assets/tokenizer]
+Run: python scripts/make_tokenizer.py [--out schemas/assets/tokenizer]
 """
 import argparse
 import json
@@ -48,7 +48,7 @@ def corpus(n: int = 4000):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "prep/assets/tokenizer"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "schemas/assets/tokenizer"))
     ap.add_argument("--vocab-size", type=int, default=640)
     args = ap.parse_args()
 

@@ -5,8 +5,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from prep.annotations import Annotation, check_segments, load_annotations
+from prep.annotations import check_segments, load_annotations
 from prep.windows import make_windows
+from schemas.annotations import Annotation
 from schemas.manifest import RejectRecord, Segment
 
 
@@ -144,7 +145,7 @@ def test_paths_resolving_outside_videos_are_rejected_unless_allowed(tmp_path):
 
 
 def test_unreadable_lines_are_rejects_with_their_line_number_and_the_rest_is_read(tmp_path):
-    from prep.annotations import MAX_DEPTH, MAX_LINE_BYTES
+    from schemas.annotations import MAX_DEPTH, MAX_LINE_BYTES
 
     touch_videos(tmp_path, "a.mp4", "b.mp4", "c.mp4")
     nested = {"video": "c.mp4", "segments": [[1, 2]], "extra": json.loads("[" * MAX_DEPTH + "]" * MAX_DEPTH)}

@@ -1,7 +1,7 @@
 """The lenient answer parser: strict answers, each repair, and the original Video-ORA failure outputs."""
 import pytest
 
-from prep.answers import format_answer
+from schemas.answer import format_answer
 from schemas.manifest import Segment
 from train.answer_parse import degenerate_flags, parse_output, to_seconds
 

@@ -4,7 +4,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prep.annotations import Annotation, check_segments
-from prep.answers import format_answer, parse_answer, rebase_segments
+from prep.answers import rebase_segments
+from schemas.answer import format_answer, parse_answer
 from prep.windows import make_windows
 from schemas.manifest import Segment
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 
@@ -10,8 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from prep.tokens import load_tokenizer, special_id, tokenize_sample
 from schemas import SampleRecord, write_records
+from schemas.prompt import load_tokenizer, special_id, tokenize_sample
 from schemas.shard import JSON_EXT, ShardSample, frame_ext
 from train.data import (
     IGNORE_INDEX,
@@ -26,6 +27,7 @@ from train.data import (
     preflight_records,
     rank_loader,
 )
+from tests.records import v2_fields
 from train.plan import MicroBatch
 
 SPEC = VisionSpec()
@@ -63,16 +65,19 @@ def make_sample(tok, i: int, *, T=4, H=64, W=64, answer="[[0.0, 1.5]]", video="v
     per_group = gh * gw // 4
     times = [float(g) for g in range(gt)]
     query = "Which parts are worth keeping?"
-    t = tokenize_sample(tok, query=query, answer=answer, group_times_s=times, tokens_per_group=per_group)
+    t = tokenize_sample(tok, query=query, answer=answer, group_times_s=times, tokens_per_group=per_group,
+                        layout="nested")
+    jpegs = [jpeg(f) for f in smooth_frames(T, H, W, seed=i)]
     record = SampleRecord(
         sample_id=f"{video}/w{i:04d}", video_id=video, source_path=f"{video}.mp4", window_index=i,
-        window_start_s=float(i), window_end_s=float(i + T / 2), num_frames=T, frame_indices=list(range(T)),
-        frame_times_s=[k / 2 for k in range(T)], group_times_s=times, height=H, width=W, grid_t=gt, grid_h=gh,
+        window_start_s=float(i), window_end_s=float(i + T / 2), num_frames=T, frame_indices=[2 * i + k for k in range(T)],
+        frame_times_s=[i + k / 2 for k in range(T)], group_times_s=times, height=H, width=W, grid_t=gt, grid_h=gh,
         grid_w=gw, visual_tokens=t.visual_tokens, text_tokens=t.text_tokens, supervised_tokens=t.supervised_tokens,
         input_tokens=len(t.input_ids), query=query, answer=answer, segments=[], shard="", key=f"{video}__w{i:04d}",
+        **v2_fields(T, fps=2.0, width=W, height=H, input_ids=t.input_ids,
+                    frame_sha256=[hashlib.sha256(d).hexdigest() for d in jpegs]),
     )
-    frames = smooth_frames(T, H, W, seed=i)
-    return ShardSample(record=record, input_ids=t.input_ids, prompt_tokens=t.prompt_tokens), [jpeg(f) for f in frames]
+    return ShardSample(record=record, input_ids=t.input_ids, prompt_tokens=t.prompt_tokens), jpegs
 
 
 def write_shards(tmp_path, samples_per_shard: list[list[tuple[ShardSample, list[bytes]]]]):
@@ -176,7 +181,7 @@ def test_store_indexes_only_the_shards_it_needs(tiny_build):
     root, _ = tiny_build
     store = SampleStore(root)
     store.index_for(["vid/w0002"])
-    assert set(store._index) == {"shard-000001.tar"}
+    assert set(store.reader._index) == {"shard-000001.tar"}
 
 
 def test_store_names_the_sample_on_a_missing_member(tiny_build):
@@ -187,7 +192,7 @@ def test_store_names_the_sample_on_a_missing_member(tiny_build):
     with wds.TarWriter(str(root / "shard-000000.tar")) as sink:  # rewrite shard 0 without the last frame
         sink.write({"__key__": sample.record.key, JSON_EXT: json.dumps(sample.to_json()).encode(),
                     **{frame_ext(k): d for k, d in enumerate(jpegs[:-1])}})
-    with pytest.raises(SampleError, match=r"sample vid/w0000: member vid__w0000\.f003\.jpg missing from shard shard-000000\.tar"):
+    with pytest.raises(SampleError, match=r"sample vid/w0000: member vid__w0000\.f003\.jpg is missing from shard shard-000000\.tar"):
         SampleStore(root).get("vid/w0000")
     with pytest.raises(SampleError, match="'nope/w0000' is not in"):
         SampleStore(root).get("nope/w0000")

@@ -8,6 +8,7 @@ from schemas.manifest import SampleRecord, Segment, write_records
 from schemas.predictions import PredictionRow, read_predictions, write_predictions
 from train import evaluate as ev
 from train.segments import gold_keep_lists, keep_lists, merge, to_source
+from tests.records import v2_fields
 
 
 def S(a, b):
@@ -22,7 +23,7 @@ def record(video_id, index, start, end, gold):
         window_index=index, window_start_s=start, window_end_s=end, num_frames=2, frame_indices=[0, 1],
         frame_times_s=[start, start + 0.1], group_times_s=[0.05], height=32, width=32, grid_t=1, grid_h=2,
         grid_w=2, visual_tokens=1, text_tokens=10, supervised_tokens=5, input_tokens=11, query="q",
-        answer=json.dumps(gold), segments=segs, shard="shard-000000.tar", key=f"k{index}",
+        answer=json.dumps(gold), segments=segs, shard="shard-000000.tar", key=f"k{index}", **v2_fields(2, fps=10.0),
     )
 
 

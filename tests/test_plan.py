@@ -7,6 +7,7 @@ import random
 import pytest
 
 from schemas import SampleRecord
+from tests.records import v2_fields
 from train.plan import (
     MicroBatch,
     PlanConfig,
@@ -27,7 +28,7 @@ def record(i: int, tokens: int = 100, video: str = "vid") -> SampleRecord:
         window_start_s=float(i), window_end_s=float(i + 1), num_frames=4, frame_indices=[0, 1, 2, 3],
         frame_times_s=[0.0, 0.5, 1.0, 1.5], group_times_s=[0.0, 1.0], height=32, width=32, grid_t=2, grid_h=2,
         grid_w=2, visual_tokens=2, text_tokens=tokens - 2, supervised_tokens=5, input_tokens=tokens,
-        query="q", answer="[]", segments=[], shard="shard-000000.tar", key=f"{video}__w{i:04d}",
+        query="q", answer="[]", segments=[], shard="shard-000000.tar", key=f"{video}__w{i:04d}", **v2_fields(4),
     )
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from prep.tokens import load_tokenizer, special_id, tokenize_sample
+from schemas.prompt import load_tokenizer, special_id, tokenize_sample
 from schemas.manifest import SampleRecord, Segment, read_records
 from schemas.predictions import STATUSES, read_predictions, write_predictions
 from train import evaluate as ev
@@ -76,7 +76,7 @@ def test_prompt_is_the_training_prompt(built_shards):
         s = store.get(sid)
         r = s.record
         gen = tokenize_sample(tok, query=r.query, answer=None, group_times_s=r.group_times_s,
-                              tokens_per_group=r.grid_h * r.grid_w // 4)
+                              tokens_per_group=r.grid_h * r.grid_w // 4, layout=r.prompt_layout)
         assert pr.prompt_only(s).input_ids == gen.input_ids
         assert s.input_ids[s.prompt_tokens:] == tok(r.answer + "<|im_end|>", add_special_tokens=False)["input_ids"]
 

@@ -19,10 +19,12 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from prep.answers import parse_answer, rebase_segments
+from prep.answers import rebase_segments
+from schemas.answer import parse_answer
+from schemas.build import BuildRecord, PromptInfo
 from prep.budget import VideoBudget, plan_frames
 from prep.build import BuildConfig, BuildError, build, cli
-from prep.tokens import load_tokenizer, special_id, tokenize_sample
+from schemas.prompt import load_tokenizer, special_id, tokenize_sample
 from schemas.manifest import RejectRecord, SampleRecord, Segment, arrow_schema, read_records
 from schemas.shard import ShardSample
 from scripts.synth_videos import VideoSpec, write_dataset, write_video
@@ -235,7 +237,7 @@ def test_manifest_round_trip_and_tar_contents(built_shards):
             assert {f.size for f in frames} == {(r.width, r.height)}
             assert all(f.format == "JPEG" and f.mode == "RGB" for f in frames)
             tok = tokenize_sample(tokenizer, query=r.query, answer=r.answer, group_times_s=r.group_times_s,
-                                  tokens_per_group=r.grid_h * r.grid_w // 4)
+                                  tokens_per_group=r.grid_h * r.grid_w // 4, layout=r.prompt_layout)
             assert sample.input_ids == tok.input_ids and sample.prompt_tokens == tok.prompt_tokens
             assert sample.input_ids.count(pad) == r.visual_tokens == r.grid_t * r.grid_h * r.grid_w // 4
             assert (r.text_tokens, r.supervised_tokens, r.input_tokens) == (
@@ -260,16 +262,22 @@ def test_records_follow_budget_and_gold(built_shards):
 
 
 def test_build_json_records_what_was_used(built_shards):
-    meta = json.loads((built_shards / "build.json").read_text())
-    assert meta["budget"]["video_max_tokens"] == 64 and meta["budget"]["video_min_tokens"] == 16
-    assert meta["tokenizer"]["special_token_ids"]["<|video_pad|>"] == special_id(load_tokenizer(), "<|video_pad|>")
-    assert len(meta["tokenizer"]["tokenizer_json_sha256"]) == 64
-    assert meta["samples"] == 12 and meta["shards"] == 2
-    for entry in meta["shard_files"]:
-        path = built_shards / entry["name"]
-        assert hashlib.sha256(path.read_bytes()).hexdigest() == entry["sha256"]
-        assert path.stat().st_size == entry["bytes"]
+    import transformers
+
+    meta = BuildRecord.read(built_shards)
+    assert meta.budget["video_max_tokens"] == 64 and meta.budget["video_min_tokens"] == 16
+    assert meta.tokenizer.special_token_ids["<|video_pad|>"] == special_id(load_tokenizer(), "<|video_pad|>")
+    assert len(meta.tokenizer.tokenizer_json_sha256) == 64
+    assert meta.summary.samples == 12 and meta.summary.shards == 2
+    assert meta.prompt == PromptInfo(layout="nested", transformers=transformers.__version__)
+    assert meta.model_family == "qwen3_vl" and meta.versions["transformers"] == transformers.__version__
+    for entry in meta.shard_files:
+        path = built_shards / entry.name
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == entry.sha256
+        assert path.stat().st_size == entry.bytes
     assert not list(built_shards.glob("*.tmp"))
+    raw = json.loads((built_shards / "build.json").read_text())
+    assert raw["schema_version"] == "2" and BuildRecord.read(built_shards).to_json() == raw  # a lossless round trip
 
 
 # ------------------------------------------------------------------------------------- budget
@@ -293,7 +301,8 @@ def test_max_input_tokens_lowers_frames_and_rejects_what_cannot_fit(synth_videos
             assert r.num_frames < f.num_frames and r.num_frames % 2 == 0
             # the largest count that fits: two more frames would not
             tok = tokenize_sample(load_tokenizer(), query=r.query, answer=r.answer,
-                                  group_times_s=r.group_times_s + [0.0], tokens_per_group=r.grid_h * r.grid_w // 4)
+                                  group_times_s=r.group_times_s + [0.0], tokens_per_group=r.grid_h * r.grid_w // 4,
+                                  layout=r.prompt_layout)
             assert len(tok.input_ids) > cap
 
     build(BuildConfig(videos=synth_videos_dir, out=tmp_path / "tiny", max_input_tokens=60, **base))

@@ -6,6 +6,7 @@ import pytest
 
 from schemas import RejectRecord, SampleRecord, Segment, arrow_schema, read_records, write_records
 from schemas.__main__ import schema_docs
+from tests.records import v2_fields
 
 
 def _record(**kw) -> SampleRecord:
@@ -13,7 +14,8 @@ def _record(**kw) -> SampleRecord:
                 window_end_s=16.0, num_frames=2, frame_indices=[0, 30], frame_times_s=[0.0, 1.0],
                 group_times_s=[0.5], height=64, width=64, grid_t=1, grid_h=4, grid_w=4, visual_tokens=4,
                 text_tokens=20, supervised_tokens=5, input_tokens=24, query="q", answer="[[1.0, 2.0]]",
-                segments=[Segment(start_s=1.0, end_s=2.0)], shard="shard-000000.tar", key="v_w0000")
+                segments=[Segment(start_s=1.0, end_s=2.0)], shard="shard-000000.tar", key="v_w0000",
+                **v2_fields(2, fps=30.0))
     return SampleRecord(**{**base, **kw})
 
 
@@ -21,7 +23,7 @@ def test_round_trip_keeps_every_field_and_the_version(tmp_path):
     records = [_record(), _record(sample_id="v/w0001", segments=[])]
     write_records(tmp_path / "m.parquet", records, SampleRecord)
     table = pq.read_table(tmp_path / "m.parquet")
-    assert table.schema.metadata[b"video_ora.schema_version"] == b"1"
+    assert table.schema.metadata[b"video_ora.schema_version"] == b"2"
     assert [f.name for f in table.schema] == [f.name for f in arrow_schema(SampleRecord)]
     assert read_records(tmp_path / "m.parquet", SampleRecord) == records
 

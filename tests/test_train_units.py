@@ -68,7 +68,7 @@ def test_lr_schedule_trains_at_step_zero_and_decays():
 
 
 def _batch(model_dir: Path, built_shards: Path, ids: list[str]):
-    from prep.tokens import load_tokenizer
+    from schemas.prompt import load_tokenizer
     from train.data import SampleStore, VisionSpec, collate
     from transformers import AutoConfig
 

@@ -1,6 +1,6 @@
 """Turn a generated answer into window-local segments, and say how trustworthy that answer was.
 
-Order of attempts: the strict training format (`prep.answers.parse_answer`: JSON `[[start, end], ...]`,
+Order of attempts: the strict training format (`schemas.answer.parse_answer`: JSON `[[start, end], ...]`,
 one decimal, `[]` for nothing to keep), then a lenient reading of what models typically write instead:
 `a - b`, `a to b`, `from a to b seconds`, `between a and b`, `[a, b]` inside prose, mm:ss / hh:mm:ss,
 JSON-ish lists with missing or extra brackets. Pairs are then normalized: reversed pairs swapped, values
@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from schemas.answer import parse_answer
 from schemas.manifest import Segment
 
 END_TOKENS = ("<|im_end|>", "<|endoftext|>")
@@ -88,8 +89,6 @@ def degenerate_flags(text: str, *, finished: bool = True) -> list[str]:
 
 
 def _strict(text: str) -> list[Segment] | None:
-    from prep.answers import parse_answer
-
     try:
         return list(parse_answer(text))
     except ValueError:

@@ -12,6 +12,7 @@ import json
 import re
 from pathlib import Path
 
+from schemas.prompt import DEFAULT_LAYOUT, LAYOUTS
 from train.plan import TAILS, batching_problems
 
 FINETUNE = ("lora", "full")
@@ -74,6 +75,7 @@ class TrainConfig:
     log_every: int = 1  # rank 0 prints every Nth step line (every line still goes to the per-rank log)
     num_workers: int = 2  # data loader worker processes per rank (0 = read in the training process)
     full_logits: bool = False  # compute logits at every position (HF loss) instead of supervised ones only
+    prompt_layout: str = DEFAULT_LAYOUT  # the layout the shards must have been tokenized in (schemas/prompt.py)
 
     @property
     def lora(self) -> bool:
@@ -169,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token budget per micro-batch (padded length x samples); groups samples by length. "
                    "Default: fixed --micro-batch-size")
     g.add_argument("--num-workers", type=int, default=d.num_workers, help="data loader workers per rank")
+    g.add_argument("--prompt-layout", choices=sorted(LAYOUTS), default=d.prompt_layout,
+                   help="prompt layout the shards must have (`prep build --prompt-layout`): nested = what the "
+                   "installed transformers' Qwen3VLProcessor produces at serving time; flat = transformers 4.57 / "
+                   "vLLM before PR 46957. Shards of another layout are refused")
     g = ap.add_argument_group("model")
     g.add_argument("--model", type=Path, default=None,
                    help="save_pretrained model directory; default: the bundled tiny random model (created on first use)")

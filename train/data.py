@@ -1,20 +1,19 @@
 """From a planned micro-batch to model inputs: read the sample from its tar, decode, patchify, collate.
 
-Each rank reads only its own samples: a shard's tar is indexed once by member offset (`tarfile` header
-scan, no data read), then a sample is a handful of seek+read calls. The pixel values are computed exactly
+Each rank reads only its own samples through schemas.shard.ShardReader: a shard's tar is indexed once by
+member offset (header scan, no data read), then a sample is a handful of seek+read calls, every member
+checked against the sha256 the manifest recorded before it is decoded. The pixel values are computed exactly
 like transformers' `Qwen3VLVideoProcessor` with `do_resize=False, do_sample_frames=False` (frames are
 already at the budget size in the shard): rescale 1/255, normalize with mean/std, then the processor's
 10-dim view + permute into rows of `3 * temporal_patch * patch * patch`. Tests compare with the processor.
 
-Pre-flight checks name the sample: supervised tokens, an untruncated answer, the video pad count against
-the grid, pixel rows against the grid, frames against the record.
+Pre-flight checks name the sample: `SampleRecord.problems` (the one definition of a consistent sample,
+also used by prep verify and predict) with the loaded ids, frames and pixel rows, and an untruncated answer.
 """
 from __future__ import annotations
 
 import dataclasses
 import io
-import json
-import tarfile
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -22,8 +21,10 @@ import numpy as np
 import torch
 from PIL import Image
 
+from schemas.build import rebuild_command
 from schemas.manifest import SampleRecord, read_records
-from schemas.shard import JSON_EXT, ShardSample, frame_ext
+from schemas.prompt import layout_refusal
+from schemas.shard import ShardError, ShardReader
 from train.plan import MicroBatch
 
 IGNORE_INDEX = -100  # label of positions without a loss (prompt and padding)
@@ -31,8 +32,7 @@ VIDEO_TOKEN_TYPE = 2  # mm_token_type_ids value on <|video_pad|> (0 = text, 1 = 
 MANIFEST = "manifest.parquet"
 
 
-class SampleError(RuntimeError):
-    """A sample could not be read from its shard; the message names the sample, shard and member."""
+SampleError = ShardError  # a sample could not be read as recorded: the message names shard, member and sample
 
 
 class PreflightError(ValueError):
@@ -54,7 +54,7 @@ class LoadedSample:
 
 
 class SampleStore:
-    """Random access to samples of a build: manifest.parquet for the records, tar member offsets for bytes.
+    """Random access to samples of a build: manifest.parquet for the records, ShardReader for the bytes.
 
     Picklable (no open files are kept), so DataLoader workers get their own copy; call `index_for(ids)` in
     the parent first so the workers inherit the offsets instead of rescanning the tars.
@@ -68,7 +68,7 @@ class SampleStore:
                 raise FileNotFoundError(f"{manifest} not found: --shards must be the output of `python -m prep build`")
             records = read_records(manifest, SampleRecord)
         self.records: dict[str, SampleRecord] = {r.sample_id: r for r in records}
-        self._index: dict[str, dict[str, tuple[int, int]]] = {}  # shard -> member name -> (offset_data, size)
+        self.reader = ShardReader(self.root)
 
     def __len__(self) -> int:
         return len(self.records)
@@ -77,62 +77,36 @@ class SampleStore:
         try:
             return self.records[sample_id]
         except KeyError:
-            raise SampleError(f"sample {sample_id!r} is not in {self.root / MANIFEST}") from None
-
-    def _members(self, shard: str) -> dict[str, tuple[int, int]]:
-        if shard not in self._index:
-            path = self.root / shard
-            if not path.exists():
-                raise SampleError(f"shard {path} named by the manifest does not exist")
-            members = {}
-            # "r:" refuses compressed tars: offsets are only meaningful in a plain tar.
-            with tarfile.open(path, "r:") as tar:
-                for info in tar:
-                    if info.isfile():
-                        members[info.name] = (info.offset_data, info.size)
-            self._index[shard] = members
-        return self._index[shard]
+            raise SampleError(f"sample {sample_id!r} is not in {self.root / MANIFEST}", shard="",
+                              sample_id=sample_id) from None
 
     def index_for(self, sample_ids: Sequence[str]) -> None:
         """Index the shards holding these samples (and only those)."""
         for shard in sorted({self.record(sid).shard for sid in sample_ids}):
-            self._members(shard)
+            self.reader.index(shard)
 
-    def _read(self, f, record: SampleRecord, name: str) -> bytes:
-        members = self._members(record.shard)
-        if name not in members:
-            raise SampleError(f"sample {record.sample_id}: member {name} missing from shard {record.shard}")
-        offset, size = members[name]
-        f.seek(offset)
-        data = f.read(size)
-        if len(data) != size:
-            raise SampleError(f"sample {record.sample_id}: shard {record.shard} is truncated at member {name}")
-        return data
+    def check_layout(self, asked: str) -> None:
+        """Refuse samples tokenized in another prompt layout than `asked` (PreflightError with the rebuild)."""
+        why = layout_refusal({r.prompt_layout for r in self.records.values()}, asked, self.root,
+                             rebuild_command(self.root, prompt_layout=asked))
+        if why:
+            raise PreflightError(why)
 
     def get(self, sample_id: str) -> LoadedSample:
         record = self.record(sample_id)
-        with open(self.root / record.shard, "rb") as f:
-            meta = ShardSample.from_json(json.loads(self._read(f, record, f"{record.key}.{JSON_EXT}")))
-            if meta.record != record:
-                diff = [k for k, v in dataclasses.asdict(meta.record).items() if dataclasses.asdict(record)[k] != v]
-                raise SampleError(
-                    f"sample {sample_id}: {record.shard}:{record.key}.json disagrees with the manifest on {diff}; "
-                    "the manifest and the shards come from different builds"
-                )
-            frames = [
-                _decode_jpeg(self._read(f, record, f"{record.key}.{frame_ext(i)}"), sample_id, i)
-                for i in range(record.num_frames)
-            ]
+        meta, jpegs = self.reader.read(record)
+        frames = [_decode_jpeg(data, record, i) for i, data in enumerate(jpegs)]
         return LoadedSample(record=record, input_ids=meta.input_ids, prompt_tokens=meta.prompt_tokens,
                             frames=np.stack(frames))
 
 
-def _decode_jpeg(data: bytes, sample_id: str, i: int) -> np.ndarray:
+def _decode_jpeg(data: bytes, record: SampleRecord, i: int) -> np.ndarray:
     try:
         with Image.open(io.BytesIO(data)) as im:
             return np.asarray(im.convert("RGB"))
     except OSError as e:
-        raise SampleError(f"sample {sample_id}: frame {i} is not a readable JPEG ({e})") from e
+        raise SampleError(f"sample {record.sample_id}: frame {i} is not a readable JPEG ({e})", shard=record.shard,
+                          member=f"{record.key}.f{i:03d}.jpg", sample_id=record.sample_id) from e
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -286,21 +260,15 @@ def preflight(
 ) -> None:
     """Every check one loaded sample allows; all problems in one PreflightError naming the sample.
 
-    tokenizer: checks that the labeled span is exactly tokenizer(answer + '<|im_end|>') (the answer is not
-    truncated). video_token_id: counts video pads against the grid (looked up in the tokenizer when omitted).
-    pixels: the patchified rows, checked against the grid (otherwise derived from the frame shape).
+    The record, its input_ids, frames and pixel rows go through SampleRecord.problems. tokenizer: also
+    checks that the labeled span is exactly tokenizer(answer + '<|im_end|>') (the answer is not truncated).
+    video_token_id: counts video pads against the grid (looked up in the tokenizer when omitted). pixels:
+    the patchified rows (otherwise derived from the frame shape).
     """
     spec = spec or VisionSpec()
     r = sample.record
     ids = sample.input_ids
     problems: list[str] = []
-    supervised = len(ids) - sample.prompt_tokens
-    if supervised <= 0:
-        problems.append(f"no supervised tokens (prompt_tokens {sample.prompt_tokens} >= {len(ids)} input ids)")
-    elif supervised != r.supervised_tokens:
-        problems.append(f"{supervised} supervised tokens, the manifest says {r.supervised_tokens}")
-    if len(ids) != r.input_tokens:
-        problems.append(f"{len(ids)} input ids, the manifest says input_tokens={r.input_tokens}")
     if tokenizer is not None:
         expected = tokenizer(r.answer + "<|im_end|>", add_special_tokens=False)["input_ids"]
         span = ids[sample.prompt_tokens:]
@@ -314,29 +282,16 @@ def preflight(
                                 f"expected {r.answer + '<|im_end|>'!r}")
         if video_token_id is None:
             video_token_id = tokenizer.convert_tokens_to_ids("<|video_pad|>")
-    grid = (r.grid_t, r.grid_h, r.grid_w)
-    want_pads = spec.tokens(grid)
-    if video_token_id is not None:
-        pads = ids.count(video_token_id)
-        if pads != want_pads:
-            problems.append(f"{pads} video pad tokens in input_ids, grid {list(grid)} needs "
-                            f"{r.grid_t}*{r.grid_h}*{r.grid_w}/{spec.merge_size ** 2} = {want_pads}")
-    if r.visual_tokens != want_pads:
-        problems.append(f"manifest visual_tokens {r.visual_tokens} != {want_pads} from grid {list(grid)}")
     f = sample.frames
-    if f.shape[0] != r.num_frames:
-        problems.append(f"{f.shape[0]} frames in the shard, the record says num_frames={r.num_frames}")
-    if tuple(f.shape[1:3]) != (r.height, r.width):
-        problems.append(f"frames are {f.shape[1]}x{f.shape[2]}, the record says {r.height}x{r.width}")
-    rows_needed = r.grid_t * r.grid_h * r.grid_w
     if pixels is not None:
         rows = pixels.shape[0]
         if pixels.shape[1] != spec.patch_dim:
             problems.append(f"pixel rows have {pixels.shape[1]} values, the vision tower takes {spec.patch_dim}")
     else:
         rows = (f.shape[0] // spec.temporal_patch_size) * (f.shape[1] // spec.patch_size) * (f.shape[2] // spec.patch_size)
-    if rows != rows_needed:
-        problems.append(f"{rows} pixel rows, grid {list(grid)} needs {r.grid_t}*{r.grid_h}*{r.grid_w} = {rows_needed}")
+    problems = r.problems(patch_size=spec.patch_size, temporal_patch_size=spec.temporal_patch_size,
+                          merge_size=spec.merge_size, input_ids=ids, prompt_tokens=sample.prompt_tokens,
+                          video_token_id=video_token_id, frames_shape=tuple(f.shape[:3]), pixel_rows=rows) + problems
     if problems:
         raise PreflightError(f"sample {r.sample_id}: " + "; ".join(problems))
 
@@ -344,28 +299,13 @@ def preflight(
 def preflight_records(
     records: Sequence[SampleRecord], max_input_tokens: int | None = None, spec: VisionSpec | None = None
 ) -> None:
-    """Manifest-only checks for every planned sample, before anything loads; every bad sample named."""
+    """Manifest-only checks (SampleRecord.problems) for every planned sample, before anything loads; every
+    bad sample named."""
     spec = spec or VisionSpec()
     bad: list[str] = []
     for r in records:
-        problems = []
-        if r.supervised_tokens <= 0:
-            problems.append("no supervised tokens")
-        if r.num_frames != r.grid_t * spec.temporal_patch_size or len(r.frame_indices) != r.num_frames:
-            problems.append(f"num_frames {r.num_frames}, {len(r.frame_indices)} frame indices, grid_t {r.grid_t}")
-        if (r.height, r.width) != (r.grid_h * spec.patch_size, r.grid_w * spec.patch_size):
-            problems.append(f"size {r.height}x{r.width} does not match grid {r.grid_h}x{r.grid_w} of patch {spec.patch_size}")
-        if r.grid_h % spec.merge_size or r.grid_w % spec.merge_size:
-            problems.append(f"grid {r.grid_h}x{r.grid_w} is not divisible by merge size {spec.merge_size}")
-        want = spec.tokens((r.grid_t, r.grid_h, r.grid_w))
-        if r.visual_tokens != want:
-            problems.append(f"visual_tokens {r.visual_tokens}, grid needs {want}")
-        if r.input_tokens != r.visual_tokens + r.text_tokens:
-            problems.append(f"input_tokens {r.input_tokens} != visual {r.visual_tokens} + text {r.text_tokens}")
-        if r.supervised_tokens >= r.text_tokens:
-            problems.append(f"supervised_tokens {r.supervised_tokens} leaves no prompt text ({r.text_tokens} text tokens)")
-        if max_input_tokens is not None and r.input_tokens > max_input_tokens:
-            problems.append(f"{r.input_tokens} input tokens > limit {max_input_tokens}")
+        problems = r.problems(patch_size=spec.patch_size, temporal_patch_size=spec.temporal_patch_size,
+                              merge_size=spec.merge_size, max_input_tokens=max_input_tokens)
         if problems:
             bad.append(f"{r.sample_id}: {'; '.join(problems)}")
     if bad:

@@ -195,7 +195,7 @@ def average_precision(
 
 def load_gold_annotations(path: str | Path, fmt: str = "default") -> dict[str, list[Segment]]:
     """Source-time gold per video id from an annotations file (the `prep build` input formats)."""
-    from prep.annotations import parse_row, read_rows
+    from schemas.annotations import parse_row, read_rows
 
     out: dict[str, list[Segment]] = {}
     for n, row in enumerate(read_rows(path), 1):

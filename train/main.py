@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from schemas.build import BuildRecord
+from schemas.manifest import SchemaError
 from train.checkpoint import (
     ResumeError,
     carry_ledger,
@@ -63,7 +65,7 @@ from train.run_record import build_run_record, update_run_record, write_json
 
 EXIT_USAGE = 2
 EXIT_OOM = 3
-USER_ERRORS = (ConfigError, PlanError, PreflightError, SampleError, LoadError, ResumeError)
+USER_ERRORS = (ConfigError, PlanError, PreflightError, SampleError, SchemaError, LoadError, ResumeError)
 
 
 class TrainingOOM(RuntimeError):
@@ -119,6 +121,7 @@ class Recipe:
         # 1. Plan every epoch from the manifest, before anything heavy: a world size that leaves a rank
         #    without a batch, or a tail that does not fit, stops here with the numbers.
         self.store = SampleStore(cfg.shards)
+        self.store.check_layout(cfg.prompt_layout)
         self.plan_config = PlanConfig(world_size=self.world_size, micro_batch_size=cfg.micro_batch_size,
                                       grad_accum=cfg.grad_accum, seed=cfg.seed, tail=cfg.tail,
                                       max_tokens_per_batch=cfg.max_tokens_per_batch)
@@ -148,7 +151,7 @@ class Recipe:
             raise ConfigError(f"--model-family {cfg.model_family} but {self.model_dir}/config.json is {self.family}")
         from transformers import AutoConfig
 
-        from prep.tokens import load_tokenizer
+        from schemas.prompt import load_tokenizer
 
         self.model_config = AutoConfig.from_pretrained(self.model_dir)
         self.vision = VisionSpec.from_model_config(self.model_config)
@@ -209,15 +212,8 @@ class Recipe:
             path = ensure_tiny_model(family, cache)
         return path
 
-    def _build_family(self) -> str | None:
-        build = self.cfg.shards / "build.json"
-        if not build.exists():
-            return None
-        data = json.loads(build.read_text())
-        for section in (data, data.get("config") or {}, data.get("budget") or {}):
-            if isinstance(section, dict) and section.get("model_family"):
-                return section["model_family"]
-        return None
+    def _build_family(self) -> str:
+        return BuildRecord.read(self.cfg.shards).model_family
 
     @property
     def dtype(self) -> torch.dtype:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from prep.tokens import load_tokenizer, special_id
+from schemas.prompt import load_tokenizer, special_id
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 FAMILIES = {"qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_5": "Qwen3_5ForConditionalGeneration"}

@@ -24,7 +24,10 @@ from pathlib import Path
 
 import torch
 
+from schemas.build import BuildRecord
 from schemas.manifest import SampleRecord, read_records
+from schemas.prompt import DEFAULT_LAYOUT, LAYOUTS
+from schemas.shard import ShardError
 from schemas.predictions import PredictionRow, read_predictions, write_predictions
 from train.answer_parse import parse_output
 from train.data import MANIFEST, LoadedSample, SampleStore, VisionSpec, collate, preflight
@@ -48,6 +51,7 @@ class PredictConfig:
     device: str | None = None  # None: cuda:<local rank> when CUDA is available, else cpu
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32
     limit: int | None = None  # predict only the first N manifest samples (debugging)
+    prompt_layout: str = DEFAULT_LAYOUT  # the layout the shards must have (the serving stack's, schemas/prompt.py)
 
     def __post_init__(self) -> None:
         problems = []
@@ -66,6 +70,8 @@ class PredictConfig:
             problems.append(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.dtype not in DTYPES:
             problems.append(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.prompt_layout not in LAYOUTS:
+            problems.append(f"--prompt-layout must be one of {sorted(LAYOUTS)}, got {self.prompt_layout!r}")
         if self.limit is not None and self.limit < 1:
             problems.append(f"--limit must be >= 1, got {self.limit}")
         if problems:
@@ -92,17 +98,16 @@ def load_tokenizer_for(model_dir: Path, shards: Path):
 
     Its special-token ids must equal those build.json recorded, or the decoded text would be wrong.
     """
-    from prep.tokens import load_tokenizer, special_id
+    from schemas.prompt import load_tokenizer, special_id
 
-    build = json.loads((shards / "build.json").read_text()) if (shards / "build.json").is_file() else {}
-    recorded = build.get("tokenizer", {})
+    recorded = BuildRecord.read(shards).tokenizer
     if (model_dir / "tokenizer.json").is_file():
         tok = load_tokenizer(str(model_dir))
-    elif recorded.get("path") and Path(recorded["path"]).is_dir() and not recorded.get("bundled"):
-        tok = load_tokenizer(recorded["path"])
+    elif not recorded.bundled and Path(recorded.path).is_dir():
+        tok = load_tokenizer(recorded.path)
     else:
         tok = load_tokenizer(None)
-    for name, want in recorded.get("special_token_ids", {}).items():
+    for name, want in recorded.special_token_ids.items():
         got = special_id(tok, name)
         if got != want:
             raise ValueError(f"tokenizer has {name}={got}, the build used {want}: the shards were tokenized with "
@@ -153,14 +158,6 @@ def left_pad(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def source_fps(record: SampleRecord) -> float | None:
-    """Frame rate implied by the record (frame_times_s = frame_index / fps in prep)."""
-    idx, t = record.frame_indices, record.frame_times_s
-    if len(idx) < 2 or t[-1] <= t[0]:
-        return None
-    return round((idx[-1] - idx[0]) / (t[-1] - t[0]), 4)
-
-
 def cut_at_end(ids: list[int], end_ids: set[int]) -> tuple[list[int], bool, int]:
     """(answer ids before the first end token, whether one was produced, tokens generated incl. the end)."""
     for i, tok in enumerate(ids):
@@ -177,15 +174,15 @@ def make_row(record: SampleRecord, text: str, finished: bool, generated: int) ->
         window_index=record.window_index, window_start_s=record.window_start_s, window_end_s=record.window_end_s,
         raw_output=text, status=parsed.status, degenerate=parsed.degenerate, repairs=parsed.repairs,
         segments=parsed.segments, segments_source=to_source(parsed.segments, record.window_start_s),
-        source_fps=source_fps(record), generated_tokens=generated,
+        source_fps=record.source_fps, generated_tokens=generated,
     )
 
 
 def end_token_ids(tokenizer, model) -> list[int]:
     """Ids that end an answer: <|im_end|> (required), <|endoftext|> when the vocabulary has it, and the
     model's generation_config eos ids. Looked up by exact token string: a saved Qwen3.5 tokenizer names
-    <|endoftext|> its unk token, which prep.tokens.special_id would refuse."""
-    from prep.tokens import special_id
+    <|endoftext|> its unk token, which schemas.prompt.special_id would refuse."""
+    from schemas.prompt import special_id
 
     ids = [special_id(tokenizer, "<|im_end|>")]
     for tok in END_TOKENS[1:]:
@@ -202,7 +199,7 @@ def end_token_ids(tokenizer, model) -> list[int]:
 def generate_rows(model, tokenizer, store: SampleStore, sample_ids: list[str], *, batch_size: int,
                   max_new_tokens: int, device: torch.device, log=print) -> dict[str, PredictionRow]:
     """Rows for sample_ids, generated in batches of similar prompt length."""
-    from prep.tokens import special_id
+    from schemas.prompt import special_id
 
     spec = VisionSpec.from_model_config(model.config)
     video_token_id = special_id(tokenizer, "<|video_pad|>")
@@ -282,6 +279,7 @@ def predict(cfg: PredictConfig, log=print) -> dict:
     start, end = rank_slice(len(records), rank, world)
     mine = all_ids[start:end]
     store = SampleStore(cfg.shards, records)
+    store.check_layout(cfg.prompt_layout)
     store.index_for(mine)
 
     tokenizer = load_tokenizer_for(Path(cfg.model), Path(cfg.shards))
@@ -317,11 +315,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", help="cpu, cuda, cuda:1 (default: this rank's GPU, else cpu)")
     ap.add_argument("--dtype", default="auto", choices=sorted(DTYPES))
     ap.add_argument("--limit", type=int, help="only the first N manifest samples")
+    ap.add_argument("--prompt-layout", choices=sorted(LAYOUTS), default=DEFAULT_LAYOUT,
+                    help="prompt layout the shards must have been built with (prep build --prompt-layout); "
+                         "shards of another layout are refused")
     args = ap.parse_args(argv)
-    cfg = PredictConfig(model=args.model, adapter=args.adapter, shards=args.shards, out=args.out,
-                        batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, device=args.device,
-                        dtype=args.dtype, limit=args.limit)
-    summary = predict(cfg)
+    try:
+        cfg = PredictConfig(model=args.model, adapter=args.adapter, shards=args.shards, out=args.out,
+                            batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, device=args.device,
+                            dtype=args.dtype, limit=args.limit, prompt_layout=args.prompt_layout)
+        summary = predict(cfg)
+    except (ValueError, ShardError) as e:  # a config, schema, layout or data problem: the message says which
+        print(f"train.predict: error: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(summary))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

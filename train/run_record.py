@@ -11,26 +11,15 @@ import os
 import platform
 import subprocess
 import sys
-from importlib import metadata
 from pathlib import Path
 
-PACKAGES = ("torch", "transformers", "deepspeed", "peft", "accelerate", "safetensors", "webdataset", "numpy",
-            "pyarrow", "pillow", "tokenizers")
+from schemas.versions import package_versions
+
 ENV_PREFIXES = ("VIDEO_", "NCCL_", "DS_")
 ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
              "OMP_NUM_THREADS", "PYTORCH_CUDA_ALLOC_CONF", "MODEL_SEQ_LEN")
 REPO = Path(__file__).resolve().parent.parent
 SOURCE_DIRS = ("prep", "train", "schemas")
-
-
-def package_versions() -> dict[str, str | None]:
-    out = {}
-    for name in PACKAGES:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
 
 
 def git_state(repo: Path = REPO) -> dict:
