@@ -113,10 +113,12 @@ def tokenize_sample(
 
 
 def layout_refusal(found: set[str], asked: str, shards: str | Path, rebuild: str) -> str | None:
-    """Why shards tokenized in another layout than `asked` cannot be used (None when they can)."""
+    """Why shards tokenized in another layout than `asked` cannot be used (None when they can); `rebuild` is
+    the command that rebuilds them in `asked`."""
     if found == {asked}:
         return None
+    other = next(iter(sorted(found - {asked})), asked)
     return (f"{shards}: the samples were tokenized with prompt layout {', '.join(sorted(found)) or 'none'}, this run "
             f"asks for --prompt-layout {asked} ({LAYOUTS[asked]}). A model trained on one layout sees tokens it never "
-            f"saw when served with the other. Rebuild the shards in this layout: {rebuild} --prompt-layout {asked}, "
-            f"or pass --prompt-layout {next(iter(sorted(found)), asked)} if your serving stack produces that one")
+            f"saw when served with the other. Rebuild the shards in this layout: {rebuild}; or pass "
+            f"--prompt-layout {other} if your serving stack produces that one")

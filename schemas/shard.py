@@ -105,7 +105,7 @@ class ShardReader:
                     raise ShardError(f"shard {path} is not a readable tar: {e}", shard=shard) from e
                 error = f"the tar stops being readable after member {next(reversed(members))}: {e}"
             cut = next((n for n, (off, n_bytes) in members.items() if off + n_bytes > size), None)
-            if cut is not None and not error:
+            if cut is not None:  # the precise reason, whatever tarfile said about the missing rest
                 error = f"the shard file ends at byte {size}, inside member {cut} (truncated)"
             self._index[shard] = _Index(members=members, file_bytes=size, error=error)
         return self._index[shard]
