@@ -199,7 +199,10 @@ def rebuild_command(root: str | Path, *, prompt_layout: str | None = None) -> st
     args = ["python", "-m", "prep", "build"]
     for key in ("videos", "out", *sorted(k for k in config if k not in ("videos", "out"))):
         value = config[key]
-        if key in _NOT_CONTENT or isinstance(value, bool):
+        if key in _NOT_CONTENT:
+            continue
+        if isinstance(value, bool):  # the build's store_true flags (--allow-outside-videos)
+            args += [f"--{key.replace('_', '-')}"] if value else []
             continue
         if key == "shard_size_mb" and value is None:
             value = 0
