@@ -205,6 +205,24 @@ def test_map_with_order_scores_and_with_scores(example):
     assert rep2["window"]["map"]["0.55"] == pytest.approx((1.0 + 0.25 + 0) / 3)
 
 
+def test_top1_convention_first_written_or_highest_scored(example):
+    rows, records = example
+    rows[0] = pred(records[0], [[3, 6]], scores=[1.0])
+    rows[1] = pred(records[1], [[5, 8], [0, 2]], scores=[0.1, 0.9])  # the model is surer of [0,2]
+    rows[4] = pred(records[4], [[1, 2]], scores=[0.3])
+    first = ev.evaluate(rows, records)
+    scored = ev.evaluate(rows, records, top1="scored")
+    assert first["window"]["top1"] == "first" and scored["window"]["top1"] == "scored"
+    # a1's top-1: [5,8] vs [6,8] = 2/3 as written; [0,2] vs [0,4] = 0.5 by score
+    assert first["window"]["miou"] == pytest.approx((0.75 + 2 / 3) / 3)
+    assert scored["window"]["miou"] == pytest.approx((0.75 + 0.5) / 3)
+    assert scored["window"]["r1"]["0.5"] == pytest.approx(2 / 3) and scored["window"]["r1"]["0.7"] == pytest.approx(1 / 3)
+    assert scored["window"]["map"] == first["window"]["map"]  # mAP always ranks by score
+    rows[0] = pred(records[0], [[3, 6]])  # no scores: the scored convention cannot be applied
+    with pytest.raises(ValueError, match="--top1 scored needs per-segment scores"):
+        ev.evaluate(rows, records, top1="scored")
+
+
 def test_missing_prediction_counts_as_failed_and_stray_is_an_error(example):
     rows, records = example
     rep = ev.evaluate(rows[1:], records)

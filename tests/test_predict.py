@@ -1,4 +1,5 @@
 """train.predict end to end on the prep fixture with the tiny random models, and its pieces."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -49,6 +50,9 @@ def test_predict_writes_every_window_in_manifest_order(preds, built_shards):
                               finished="truncated" not in row.degenerate)
         assert (row.status, row.segments, row.degenerate) == (parsed.status, parsed.segments, parsed.degenerate)
         assert row.status != "valid", row.raw_output
+        # every segment is scored by its number tokens' probability (greedy: each chosen token is the argmax)
+        assert row.scores is not None and len(row.scores) == len(row.segments), row
+        assert all(0.0 < x <= 1.0 for x in row.scores), row.scores
         assert row.segments_source == [Segment(start_s=s.start_s + rec.window_start_s, end_s=s.end_s + rec.window_start_s)
                                        for s in row.segments]
     assert summary["status"]["failed"] + summary["status"]["repaired"] == 12
@@ -104,6 +108,42 @@ def test_left_padded_batch_matches_single_samples(family, built_shards, tiny_cac
         for i, s in enumerate(samples):
             alone = _last_logits(model, pr.left_pad(collate([s], spec, **kw)[0]))
             torch.testing.assert_close(together[i], alone[0], atol=1e-4, rtol=1e-4)
+
+
+def test_token_probabilities_are_the_model_probabilities_of_the_generated_tokens(tiny_vl, built_shards, monkeypatch):
+    """What predict scores segments with: for each generated token of a left-padded batch, the probability
+    a plain forward pass over prompt + answer gives that token."""
+    seen, last_ids = {}, []
+    real_row, real_ends = pr.make_row, pr.token_ends
+
+    def spy_ends(tokenizer, ids):  # called with the answer's ids just before make_row
+        last_ids[:] = [list(ids)]
+        return real_ends(tokenizer, ids)
+
+    def spy_row(record, text, finished, generated, probs=None, ends=None):
+        seen[record.sample_id] = (last_ids[0], probs)
+        return real_row(record, text, finished, generated, probs=probs, ends=ends)
+
+    monkeypatch.setattr(pr, "make_row", spy_row)
+    monkeypatch.setattr(pr, "token_ends", spy_ends)
+    model = pr.load_model(tiny_vl, None, torch.device("cpu"), torch.float32)
+    tok = load_tokenizer(str(tiny_vl))
+    store = SampleStore(built_shards)
+    ids = ["vid_a/w0000", "vid_c/w0002"]  # different prompt lengths: left padding in the batch
+    rows = pr.generate_rows(model, tok, store, ids, batch_size=2, max_new_tokens=5, device=torch.device("cpu"),
+                            log=lambda _: None)
+    spec = VisionSpec.from_model_config(model.config)
+    kw = dict(video_token_id=special_id(tok, "<|video_pad|>"), pad_token_id=tok.pad_token_id)
+    for sid in ids:
+        answer, probs = seen[sid]
+        assert len(probs) == len(answer) and tok.decode(answer, skip_special_tokens=False) == rows[sid].raw_output
+        s = pr.prompt_only(store.get(sid))
+        n = len(s.input_ids)
+        full = pr.left_pad(collate([dataclasses.replace(s, input_ids=s.input_ids + answer)], spec, **kw)[0])
+        with torch.no_grad():
+            dist = torch.softmax(model(**full).logits[0].float(), dim=-1)
+        want = [dist[n - 1 + t, tok_id].item() for t, tok_id in enumerate(answer)]
+        assert probs == pytest.approx(want, abs=1e-4)
 
 
 def test_adapter_is_applied(tiny_vl, built_shards, tmp_path):

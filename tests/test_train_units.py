@@ -67,6 +67,17 @@ def test_lr_schedule_trains_at_step_zero_and_decays():
     assert all(a >= b for a, b in zip(f[2:], f[3:])) and f[-1] > 0
 
 
+def test_lr_schedule_holds_the_peak_before_the_decay_fraction():
+    f = [lr_factor(s, warmup=2, total=20, min_ratio=0.1, decay_ratio=0.25) for s in range(20)]
+    assert 0 < f[0] < f[1] < 1.0
+    assert f[2:15] == [1.0] * 13  # warmup-stable: the peak holds until the last 5 steps
+    assert all(a > b for a, b in zip(f[15:], f[16:])) and 0.1 < f[-1] < 0.2
+    assert [lr_factor(s, warmup=2, total=20, min_ratio=0.1) for s in range(20)] == \
+        [lr_factor(s, warmup=2, total=20, min_ratio=0.1, decay_ratio=1.0) for s in range(20)]
+    with pytest.raises(ConfigError, match="--decay-ratio"):
+        TrainConfig(shards=Path("."), output_dir=Path("."), decay_ratio=0.0).validate()
+
+
 def _batch(model_dir: Path, built_shards: Path, ids: list[str]):
     from schemas.prompt import load_tokenizer
     from train.data import SampleStore, VisionSpec, collate

@@ -48,6 +48,7 @@ class TrainConfig:
     warmup_steps: int | None = None  # linear warmup steps (overrides warmup_ratio)
     warmup_ratio: float = 0.05  # warmup as a fraction of all optimizer steps
     min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
+    decay_ratio: float = 1.0  # the cosine takes this last fraction of the steps; before it the peak rate holds
     weight_decay: float = 0.0  # AdamW weight decay
     max_grad_norm: float = 1.0  # gradient clipping (0 disables)
     tail: str = "error"  # samples that do not fill a whole global step: error|pad|drop
@@ -113,6 +114,8 @@ class TrainConfig:
             p.append(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
         if not 0 <= self.min_lr_ratio <= 1:
             p.append(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0 < self.decay_ratio <= 1:
+            p.append(f"--decay-ratio must be in (0, 1], got {self.decay_ratio}")
         if self.weight_decay < 0:
             p.append(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if self.max_grad_norm < 0:
@@ -194,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup-steps", type=int, default=None, help="linear warmup steps (overrides --warmup-ratio)")
     g.add_argument("--warmup-ratio", type=float, default=d.warmup_ratio, help="warmup as a fraction of all steps")
     g.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="cosine decays to lr x this")
+    g.add_argument("--decay-ratio", type=float, default=d.decay_ratio,
+                   help="the cosine decay spans this last fraction of the steps; the peak rate holds until then "
+                   "(1: cosine right after warmup; 0.3: warmup-stable-decay)")
     g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
     g.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="gradient clipping norm (0: off)")
     g.add_argument("--seed", type=int, default=d.seed, help="plan shuffle, LoRA init and dropout seed")
@@ -346,12 +352,17 @@ def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:
     return int(cfg.warmup_ratio * total_steps)
 
 
-def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
+def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float, decay_ratio: float = 1.0) -> float:
     """Multiplier of the peak lr for the optimizer step `step` (0-based): linear warmup that starts above
-    zero (step 0 already trains), then cosine down to min_ratio at the last step."""
+    zero (step 0 already trains), the peak rate until the last decay_ratio of the steps, then cosine down
+    to min_ratio at the last step. decay_ratio 1 is the plain warmup + cosine; a short run that must
+    first discover the signal needs the peak rate held, and the final decay is what settles it."""
     import math
 
     if step < warmup:
         return (step + 1) / (warmup + 1)
-    progress = (step - warmup) / max(1, total - warmup)
+    decay_start = max(warmup, total - round(decay_ratio * total))
+    if step < decay_start:
+        return 1.0
+    progress = (step - decay_start) / max(1, total - decay_start)
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))

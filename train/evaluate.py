@@ -4,9 +4,12 @@ Definitions (also written into every report under "definitions"):
 
 Window level (one manifest sample = one query; gold = the manifest's window-local segments):
 - positive window: gold has >= 1 segment; negative window: gold is [] ("nothing worth keeping").
-- top-1 IoU: the FIRST segment the model wrote (the answer's order is its ranking) against the gold
-  segment it overlaps best (max IoU over gold segments). A failed parse or an empty answer scores 0,
-  as TimeChat, VTimeLLM and E.T.Bench count unparseable answers.
+- top-1 IoU: the model's top-1 segment against the gold segment it overlaps best (max IoU over gold
+  segments). Which segment is top-1 is the report's "top1" convention: "first" (default) = the FIRST
+  segment the model wrote (the answer's order is its ranking, as TimeChat / VTimeLLM read a generated
+  answer); "scored" (--top1 scored) = the segment with the highest score in preds.jsonl (ties: the
+  earlier one), as QVHighlights ranks scored windows. A failed parse or an empty answer scores 0, as
+  TimeChat, VTimeLLM and E.T.Bench count unparseable answers.
 - R@1@t: share of positive windows with top-1 IoU >= t, t in 0.3/0.5/0.7. mIoU: mean top-1 IoU over
   positive windows. Negatives are excluded from R@1 and mIoU.
 - set IoU: |union(pred) & union(gold)| / |union(pred) | union(gold)| over time, for multi-segment answers
@@ -17,8 +20,8 @@ Window level (one manifest sample = one query; gold = the manifest's window-loca
   IoU >= 0.5 is a true positive), micro-averaged over all windows (negatives included).
 - mAP: QVHighlights standalone_eval (compute_average_precision_detection + interpolated precision) per
   positive window over IoU 0.5:0.05:0.95, averaged over windows then thresholds. Needs per-segment scores
-  in the predictions (or --order-scores: the k-th written segment scores 1/(k+1)); skipped with a note
-  otherwise. A positive window without predicted segments has AP 0.
+  in the predictions (train.predict writes them: the mean probability of each segment's number tokens;
+  or --order-scores: the k-th written segment scores 1/(k+1)); skipped with a note otherwise. A positive window without predicted segments has AP 0.
 - rates: valid = strict training format, repaired = usable only after lenient parsing/normalization,
   failed = no usable answer (a manifest sample missing from preds.jsonl counts as failed and is counted
   under "missing"); degenerate = any degenerate flag.
@@ -52,6 +55,9 @@ from train import segments as seg
 R1_THRESHOLDS = (0.3, 0.5, 0.7)
 MAP_THRESHOLDS = tuple(round(0.5 + 0.05 * i, 2) for i in range(10))  # 0.5:0.05:0.95
 PRF_THRESHOLD = 0.5
+TOP1 = ("first", "scored")  # which predicted segment R@1 / mIoU take (module doc)
+TOP1_TEXT = {"first": "first segment written; --top1 scored for the highest-scored",
+             "scored": "highest-scored segment; --top1 first for the first written"}
 MAP_MAX_PREDS = 10  # QVHighlights scores the 10 highest-scored windows of a query
 RESOLUTION_S = 0.1
 
@@ -206,7 +212,18 @@ def load_gold_annotations(path: str | Path, fmt: str = "default") -> dict[str, l
     return out
 
 
-def _window_eval(rec: SampleRecord, row: PredictionRow | None) -> dict:
+def ranked(row: PredictionRow, top1: str) -> list[Segment]:
+    """The row's segments in ranking order: as written ("first") or by decreasing score ("scored")."""
+    if top1 == "first":
+        return list(row.segments)
+    if row.scores is None:
+        raise ValueError(f"{row.sample_id}: --top1 scored needs per-segment scores in preds.jsonl "
+                         "(written by train.predict; rows from older runs have none)")
+    order = sorted(range(len(row.segments)), key=lambda i: -row.scores[i])  # stable: ties keep written order
+    return [row.segments[i] for i in order]
+
+
+def _window_eval(rec: SampleRecord, row: PredictionRow | None, top1: str = "first") -> dict:
     gold = list(rec.segments)
     status = row.status if row is not None else "failed"
     pred = list(row.segments) if row is not None and status != "failed" else []
@@ -221,11 +238,12 @@ def _window_eval(rec: SampleRecord, row: PredictionRow | None) -> dict:
         "raw_output": row.raw_output if row is not None else None,
         "gold": [[g.start_s, g.end_s] for g in gold],
         "pred": [[p.start_s, p.end_s] for p in pred],
+        "scores": list(row.scores) if row is not None and pred and row.scores is not None else None,
         "positive": bool(gold),
         "tp@0.5": match_greedy(pred, gold),
     }
     if gold:
-        out["top1_iou"] = top1_iou(pred, gold)
+        out["top1_iou"] = top1_iou(ranked(row, top1) if pred else [], gold)
         out["set_iou"] = set_iou(pred, gold)
     else:
         out["negative_correct"] = status != "failed" and not pred
@@ -286,8 +304,11 @@ def evaluate(
     resolution_s: float = RESOLUTION_S,
     order_scores: bool = False,
     only_predicted: bool = False,
+    top1: str = "first",
 ) -> dict:
     """The full report as a dict (see the module doc for every definition)."""
+    if top1 not in TOP1:
+        raise ValueError(f"top1 must be one of {TOP1}, got {top1!r}")
     by_id = {r.sample_id: r for r in rows}
     known = {r.sample_id for r in records}
     stray = sorted(set(by_id) - known)
@@ -298,7 +319,7 @@ def evaluate(
         )
     if only_predicted:
         records = [r for r in records if r.sample_id in by_id]
-    windows = [_window_eval(rec, by_id.get(rec.sample_id)) for rec in records]
+    windows = [_window_eval(rec, by_id.get(rec.sample_id), top1) for rec in records]
 
     # mAP, only with scores
     scored = [(_scored(by_id.get(rec.sample_id), order_scores), rec) for rec in records if rec.segments]
@@ -309,7 +330,8 @@ def evaluate(
         map_report = None
         map_note = (
             f"skipped: {unscored} positive windows have predicted segments without scores "
-            "(predict does not score segments; pass --order-scores to rank by written order)"
+            "(preds.jsonl from a train.predict that did not score segments; rerun it, or pass --order-scores "
+            "to rank by written order)"
         )
     else:
         aps = np.array([average_precision(s, rec.segments) for s, rec in scored])
@@ -317,7 +339,9 @@ def evaluate(
         map_report = {str(t): float(v) for t, v in zip(MAP_THRESHOLDS, per_thr)}
         map_report["average"] = float(per_thr.mean())
         own = sum(1 for _, rec in scored if rec.sample_id in by_id and by_id[rec.sample_id].scores is not None)
-        map_note = f"{own} windows scored by the predictions, the rest by written order (--order-scores)"
+        rest = len(scored) - own
+        map_note = (f"{own} positive windows ranked by the scores in preds.jsonl"
+                    + (f", {rest} by written order (--order-scores)" if rest else ""))
 
     # video level
     recs_by_video: dict[str, list[SampleRecord]] = defaultdict(list)
@@ -364,7 +388,7 @@ def evaluate(
     return {
         "counts": {"windows": len(windows), "videos": len(videos), "predictions": len(rows)},
         "format": _rates(windows),
-        "window": {**_window_summary(windows), "map": map_report, "map_note": map_note},
+        "window": {**_window_summary(windows), "top1": top1, "map": map_report, "map_note": map_note},
         "video": {
             "frame_f1": {**keep_cut_f1(total), "resolution_s": resolution_s},
             "segment_prf@0.5": prf(v_tp, v_pred, v_gold),
@@ -428,7 +452,8 @@ def render_html(report: dict) -> str:
         ("windows / videos", f'{report["counts"]["windows"]} / {report["counts"]["videos"]}'),
         ("valid / repaired / failed", f'{_fmt(f["valid_rate"])} / {_fmt(f["repaired_rate"])} / {_fmt(f["failed_rate"])}'),
         ("degenerate rate", _fmt(f["degenerate_rate"])),
-        ("R@1 IoU 0.3 / 0.5 / 0.7", " / ".join(_fmt(w["r1"][k]) for k in ("0.3", "0.5", "0.7"))),
+        (f'R@1 IoU 0.3 / 0.5 / 0.7 (top-1 = {TOP1_TEXT[w["top1"]]})',
+         " / ".join(_fmt(w["r1"][k]) for k in ("0.3", "0.5", "0.7"))),
         ("mIoU (top-1)", _fmt(w["miou"])),
         ("mean set IoU (windows)", _fmt(w["mean_set_iou"])),
         ("segment P/R/F1 @0.5 (windows)", " / ".join(_fmt(w["segment_prf@0.5"][k]) for k in ("precision", "recall", "f1"))),
@@ -471,7 +496,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--html", help="write the HTML report here")
     ap.add_argument("--merge-gap", type=float, default=seg.MERGE_GAP_S, help="seconds; pieces this close merge")
     ap.add_argument("--resolution", type=float, default=RESOLUTION_S, help="bin size of keep/cut F1 (seconds)")
-    ap.add_argument("--order-scores", action="store_true", help="score segments by written order for mAP")
+    ap.add_argument("--order-scores", action="store_true",
+                    help="score segments by written order for mAP (predictions without scores)")
+    ap.add_argument("--top1", choices=TOP1, default="first",
+                    help="R@1 / mIoU convention: the first segment written, or the highest-scored one")
     ap.add_argument("--only-predicted", action="store_true", help="evaluate only the samples in preds.jsonl")
     args = ap.parse_args(argv)
 
@@ -479,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     records = read_records(Path(args.shards) / "manifest.parquet", SampleRecord)
     gold = load_gold_annotations(args.gold, args.gold_format) if args.gold else None
     report = evaluate(rows, records, gold_videos=gold, gap_s=args.merge_gap, resolution_s=args.resolution,
-                      order_scores=args.order_scores, only_predicted=args.only_predicted)
+                      order_scores=args.order_scores, only_predicted=args.only_predicted, top1=args.top1)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     if args.html:
@@ -488,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({
         "windows": report["counts"]["windows"], "videos": report["counts"]["videos"],
         "valid_rate": f["valid_rate"], "repaired_rate": f["repaired_rate"], "failed_rate": f["failed_rate"],
-        "degenerate_rate": f["degenerate_rate"], "miou": w["miou"], "r1": w["r1"],
+        "degenerate_rate": f["degenerate_rate"], "miou": w["miou"], "r1": w["r1"], "top1": w["top1"],
         "segment_f1@0.5": w["segment_prf@0.5"]["f1"], "negative_accuracy": w["negative_accuracy"],
         "map": w["map"]["average"] if w["map"] else None, "keep_f1": v["frame_f1"]["keep"]["f1"],
         "cut_f1": v["frame_f1"]["cut"]["f1"],

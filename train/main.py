@@ -305,7 +305,8 @@ class Recipe:
 
             def scheduler(optimizer):
                 return torch.optim.lr_scheduler.LambdaLR(
-                    optimizer, lambda s: lr_factor(s, warmup=warmup, total=total, min_ratio=cfg.min_lr_ratio))
+                    optimizer, lambda s: lr_factor(s, warmup=warmup, total=total, min_ratio=cfg.min_lr_ratio,
+                                                 decay_ratio=cfg.decay_ratio))
 
         optimizer = None
         if "optimizer" not in self.ds_config:

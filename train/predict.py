@@ -9,7 +9,8 @@ train.predict ...`; the manifest is split into contiguous rank slices, each rank
 merges the parts in manifest order (a missing or duplicated sample is an error).
 
 Each output is parsed by train.answer_parse (status valid|repaired|failed, degenerate flags) and mapped
-to source time; rows follow schemas.predictions.PredictionRow.
+to source time; each segment gets a score, the mean probability of its number tokens (train.scores), so
+train.evaluate computes mAP from the model's own confidence. Rows follow schemas.predictions.PredictionRow.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from schemas.shard import ShardError
 from schemas.predictions import PredictionRow, read_predictions, write_predictions
 from train.answer_parse import parse_output
 from train.data import MANIFEST, LoadedSample, SampleStore, VisionSpec, collate, preflight
+from train.scores import segment_scores, token_ends
 from train.segments import to_source
 
 ADAPTER_DIR = "adapter"  # train.checkpoint.ADAPTER_DIR
@@ -52,6 +54,7 @@ class PredictConfig:
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32
     limit: int | None = None  # predict only the first N manifest samples (debugging)
     prompt_layout: str = DEFAULT_LAYOUT  # the layout the shards must have (the serving stack's, schemas/prompt.py)
+    progress: bool = True  # rank 0's bar on stderr (shown only when stderr is a terminal)
 
     def __post_init__(self) -> None:
         problems = []
@@ -166,15 +169,20 @@ def cut_at_end(ids: list[int], end_ids: set[int]) -> tuple[list[int], bool, int]
     return ids, False, len(ids)
 
 
-def make_row(record: SampleRecord, text: str, finished: bool, generated: int) -> PredictionRow:
+def make_row(record: SampleRecord, text: str, finished: bool, generated: int,
+             probs: list[float] | None = None, ends: list[int] | None = None) -> PredictionRow:
+    """The row of one window. probs / ends: probability and end offset in text of each answer token;
+    with them every segment is scored (train.scores), without them scores stay None."""
     window_s = record.window_end_s - record.window_start_s
     parsed = parse_output(text, window_s, finished=finished)
+    scores = None if probs is None else segment_scores(text, ends, probs, parsed.segments, window_s)
     return PredictionRow(
         sample_id=record.sample_id, video_id=record.video_id, source_path=record.source_path,
         window_index=record.window_index, window_start_s=record.window_start_s, window_end_s=record.window_end_s,
         raw_output=text, status=parsed.status, degenerate=parsed.degenerate, repairs=parsed.repairs,
         segments=parsed.segments, segments_source=to_source(parsed.segments, record.window_start_s),
         source_fps=record.source_fps, generated_tokens=generated,
+        scores=scores,
     )
 
 
@@ -197,8 +205,10 @@ def end_token_ids(tokenizer, model) -> list[int]:
 
 @torch.no_grad()
 def generate_rows(model, tokenizer, store: SampleStore, sample_ids: list[str], *, batch_size: int,
-                  max_new_tokens: int, device: torch.device, log=print) -> dict[str, PredictionRow]:
+                  max_new_tokens: int, device: torch.device, log=print, progress: bool = False) -> dict[str, PredictionRow]:
     """Rows for sample_ids, generated in batches of similar prompt length."""
+    from tqdm import tqdm
+
     from schemas.prompt import special_id
 
     spec = VisionSpec.from_model_config(model.config)
@@ -210,6 +220,7 @@ def generate_rows(model, tokenizer, store: SampleStore, sample_ids: list[str], *
     order = sorted(sample_ids, key=lambda s: store.record(s).input_tokens - store.record(s).supervised_tokens)
     rows: dict[str, PredictionRow] = {}
     t0 = time.time()
+    bar = tqdm(total=len(order), unit="window", desc="predict", disable=None if progress else True, dynamic_ncols=True)
     for b in range(0, len(order), batch_size):
         samples = [store.get(sid) for sid in order[b: b + batch_size]]
         for s in samples:
@@ -221,13 +232,22 @@ def generate_rows(model, tokenizer, store: SampleStore, sample_ids: list[str], *
         tensors["pixel_values_videos"] = tensors["pixel_values_videos"].to(dtype)
         tensors = {k: v.to(device) for k, v in tensors.items()}
         out = model.generate(**tensors, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=end_ids,
-                             pad_token_id=pad_id)
-        new = out[:, tensors["input_ids"].shape[1]:].tolist()
-        for s, ids in zip(samples, new):
+                             pad_token_id=pad_id, output_logits=True, return_dict_in_generate=True)
+        new = out.sequences[:, tensors["input_ids"].shape[1]:]
+        # probability of each chosen token under the raw (unprocessed) logits: the model's own confidence
+        logits = torch.stack(out.logits, dim=1).float()  # (batch, new tokens, vocab)
+        picked = logits.gather(2, new[:, : logits.shape[1], None]).squeeze(2)
+        chosen = (picked - torch.logsumexp(logits, dim=-1)).exp()
+        for s, ids, p in zip(samples, new.tolist(), chosen.tolist()):
             answer, finished, n = cut_at_end(ids, set(end_ids))
             text = tokenizer.decode(answer, skip_special_tokens=False)
-            rows[s.record.sample_id] = make_row(s.record, text, finished, n)
-        log(json.dumps({"phase": "predict", "done": len(rows), "of": len(order), "seconds": round(time.time() - t0, 2)}))
+            rows[s.record.sample_id] = make_row(s.record, text, finished, n, probs=p[: len(answer)],
+                                                ends=token_ends(tokenizer, answer))
+        bar.update(len(samples))
+        line = json.dumps({"phase": "predict", "done": len(rows), "of": len(order), "seconds": round(time.time() - t0, 2)})
+        with tqdm.external_write_mode():  # a log line must not tear the bar
+            log(line)
+    bar.close()
     return rows
 
 
@@ -286,7 +306,8 @@ def predict(cfg: PredictConfig, log=print) -> dict:
     model = load_model(Path(cfg.model), cfg.adapter, device, dtype)
     t0 = time.time()
     rows = generate_rows(model, tokenizer, store, mine, batch_size=cfg.batch_size,
-                         max_new_tokens=cfg.max_new_tokens, device=device, log=log if rank == 0 else (lambda _: None))
+                         max_new_tokens=cfg.max_new_tokens, device=device, log=log if rank == 0 else (lambda _: None),
+                         progress=cfg.progress and rank == 0)
     seconds = time.time() - t0
     ordered = [rows[s] for s in mine]
     if world == 1:
@@ -303,7 +324,7 @@ def predict(cfg: PredictConfig, log=print) -> dict:
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m train.predict", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True, help="save_pretrained model directory")
@@ -318,12 +339,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-layout", choices=sorted(LAYOUTS), default=DEFAULT_LAYOUT,
                     help="prompt layout the shards must have been built with (prep build --prompt-layout); "
                          "shards of another layout are refused")
-    args = ap.parse_args(argv)
+    ap.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    return ap
+
+
+def config_from_argv(argv: list[str] | None = None) -> PredictConfig:
+    """The PredictConfig of a `train.predict` command line (scripts build the same flags the CLI takes)."""
+    return PredictConfig(**vars(parser().parse_args(argv)))
+
+
+def main(argv: list[str] | None = None) -> int:
     try:
-        cfg = PredictConfig(model=args.model, adapter=args.adapter, shards=args.shards, out=args.out,
-                            batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, device=args.device,
-                            dtype=args.dtype, limit=args.limit, prompt_layout=args.prompt_layout)
-        summary = predict(cfg)
+        summary = predict(config_from_argv(argv))
     except (ValueError, ShardError) as e:  # a config, schema, layout or data problem: the message says which
         print(f"train.predict: error: {e}", file=sys.stderr)
         return 2
