@@ -279,9 +279,13 @@ def verify_shards(
     videos: str | Path | None = None,
     skip_source: bool = False,
     max_diff: float = DEFAULT_MAX_DIFF,
+    progress: bool = False,
 ) -> VerifyReport:
     """Run every check over the build in `path`. videos: where the sources are now (default: the build's
-    --videos); skip_source: do without them (no source recheck, no re-decode; said in report.skipped)."""
+    --videos); skip_source: do without them (no source recheck, no re-decode; said in report.skipped);
+    progress: a bar over the samples on stderr (only when it is a terminal)."""
+    from tqdm import tqdm
+
     root = Path(path)
     report = VerifyReport()
     try:
@@ -325,7 +329,10 @@ def verify_shards(
     pad_id = build.tokenizer.special_token_ids.get("<|video_pad|>")
     reader = ShardReader(root)
     to_redecode: list[tuple[SampleRecord, list[bytes]]] = []
+    bar = tqdm(total=len(records) + len(chosen), unit="sample", desc="prep verify", disable=None if progress else True,
+               dynamic_ncols=True)
     for name in sorted(by_shard):
+        bar.update(len(by_shard[name]))
         rows = by_shard[name]
         if name not in listed:
             for rec in rows:
@@ -352,8 +359,11 @@ def verify_shards(
 
     for rec in records:
         _check_budget(rec, budget, max_input_tokens, report)
+    bar.total = len(records) + len(to_redecode)  # a chosen sample with missing frames is not re-decoded
     for rec, frames in to_redecode:
         _redecode(rec, video_root / rec.source_path, frames, max_diff, report)
+        bar.update(1)
+    bar.close()
     return report
 
 
@@ -435,6 +445,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-diff", type=float, default=DEFAULT_MAX_DIFF,
                     help="re-decode threshold: mean absolute difference per frame, 0-255 levels")
     ap.add_argument("--json", action="store_true", help="print only the JSON report")
+    ap.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar (stderr, terminals only)")
     return ap
 
 
@@ -443,7 +454,7 @@ def cli(argv: list[str] | None = None) -> int:
     if args.redecode < 0:
         parser().error("--redecode must be >= 0")
     report = verify_shards(args.shards, redecode=args.redecode, seed=args.seed, videos=args.videos,
-                           skip_source=args.skip_source, max_diff=args.max_diff)
+                           skip_source=args.skip_source, max_diff=args.max_diff, progress=args.progress)
     if not args.json:
         print(f"prep verify {args.shards}: {report.shards} shards, {report.samples} samples, {report.frames} frames, "
               f"{report.budget_checked} budget rechecks, {report.tokens_checked} re-tokenized, "

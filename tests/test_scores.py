@@ -45,7 +45,7 @@ def test_unmatched_segment_falls_back_to_the_answer_mean_and_empty_answer_has_no
 
 
 def test_token_ends_follow_the_tokenizer():
-    from prep.tokens import load_tokenizer
+    from schemas.prompt import load_tokenizer
 
     tok = load_tokenizer()
     text = "[[0.5, 12.0], [14.5, 16.0]]"

@@ -74,6 +74,7 @@ class TrainConfig:
     seed: int = 0
     dtype: str = "bf16"  # bf16 | fp32 (parameters and compute; master weights stay fp32 in the optimizer)
     log_every: int = 1  # rank 0 prints every Nth step line (every line still goes to the per-rank log)
+    progress: bool = True  # rank 0's progress bar on stderr (drawn only when stderr is a terminal)
     num_workers: int = 2  # data loader worker processes per rank (0 = read in the training process)
     full_logits: bool = False  # compute logits at every position (HF loss) instead of supervised ones only
     prompt_layout: str = DEFAULT_LAYOUT  # the layout the shards must have been tokenized in (schemas/prompt.py)
@@ -234,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--resume", type=Path, default=None,
                    help="resume from the latest checkpoint of this run directory (model, optimizer, scheduler, RNG, plan position)")
     g.add_argument("--log-every", type=int, default=d.log_every, help="rank 0 prints every Nth step line")
+    g.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar (it is drawn on stderr only when that is a terminal)")
     # Launchers pass these; the environment (LOCAL_RANK) is what the trainer reads.
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return ap

@@ -326,7 +326,8 @@ class Recipe:
         from tqdm import tqdm
 
         # The bar is for a terminal; in a log file the per-step JSON lines are the progress.
-        bar = tqdm(total=self.total_steps, initial=self.start_step, disable=self.rank != 0 or not sys.stderr.isatty(),
+        bar = tqdm(total=self.total_steps, initial=self.start_step,
+                   disable=self.rank != 0 or not cfg.progress or not sys.stderr.isatty(),
                    desc="train", unit="step", dynamic_ncols=True)
         self.log.bar = bar if self.rank == 0 else None
         engine.train()

@@ -53,7 +53,14 @@ def _digest_problems(files: dict[str, dict[str, torch.Tensor]], digests: dict[st
     return problems
 
 
-def verify_lora(run_dir: Path, run: dict, base: Path) -> tuple[int, list[tuple[str, str]]]:
+def _bar(total: int, progress: bool):
+    """Bar over the tensor comparisons (stderr, terminals only): large models have thousands."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="tensor", desc="verify", disable=None if progress else True, dynamic_ncols=True)
+
+
+def verify_lora(run_dir: Path, run: dict, base: Path, progress: bool = False) -> tuple[int, list[tuple[str, str]]]:
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
@@ -73,7 +80,9 @@ def verify_lora(run_dir: Path, run: dict, base: Path) -> tuple[int, list[tuple[s
     model = PeftModel.from_pretrained(model, str(adapter))
     params = dict(model.named_parameters())
     n = 0
+    bar = _bar(sum(len(t) for t in files.values()), progress)
     for key, t in files["adapter_model.safetensors"].items():
+        bar.update(1)
         # PEFT file keys drop the adapter name: ...q_proj.lora_A.weight -> ...q_proj.lora_A.default.weight
         name = key.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.")
         p = _compare(key, t, params.get(name))
@@ -82,14 +91,16 @@ def verify_lora(run_dir: Path, run: dict, base: Path) -> tuple[int, list[tuple[s
             problems.append((key, p))
     base_params = dict(model.get_base_model().named_parameters())
     for key, t in files.get(NON_LORA, {}).items():
+        bar.update(1)
         n += 1
         p = _compare(key, t, base_params.get(key))
         if p:
             problems.append((key, p))
+    bar.close()
     return n, problems
 
 
-def verify_full(run_dir: Path, run: dict) -> tuple[int, list[tuple[str, str]]]:
+def verify_full(run_dir: Path, run: dict, progress: bool = False) -> tuple[int, list[tuple[str, str]]]:
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
@@ -105,13 +116,16 @@ def verify_full(run_dir: Path, run: dict) -> tuple[int, list[tuple[str, str]]]:
 
     state = model.state_dict()
     n = 0
+    bar = _bar(sum(len(t) for t in files.values()), progress)
     for fname, tensors in files.items():
         mapping, _ = map_checkpoint_keys(model, tensors)
         for key, t in tensors.items():
+            bar.update(1)
             n += 1
             p = _compare(key, t, state.get(mapping[key]))
             if p:
                 problems.append((key, p))
+    bar.close()
     return n, problems
 
 
@@ -120,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run", type=Path, help="run directory written by train.main")
     ap.add_argument("--base", type=Path, default=None, help="base model directory (default: the one in RUN/run.json)")
+    ap.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar (stderr, terminals only)")
     a = ap.parse_args(argv)
     run_json = a.run / "run.json"
     if not run_json.exists():
@@ -129,9 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     finetune = (run.get("config") or {}).get("finetune", "lora")
     if finetune == "lora":
         base = a.base or Path(run["model"]["dir"])
-        total, problems = verify_lora(a.run, run, base)
+        total, problems = verify_lora(a.run, run, base, a.progress)
     else:
-        total, problems = verify_full(a.run, run)
+        total, problems = verify_full(a.run, run, a.progress)
     bad = {key for key, _ in problems if key}
     print(f"{total - len(bad)}/{total} tensors equal")
     if problems:
