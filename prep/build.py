@@ -6,6 +6,8 @@ The stages, each a small function (the worker below composes them per video):
     -> plan_window (budget.plan_frames + schemas.prompt.tokenize_sample, frames lowered for --max-input-tokens)
     -> decode.decode_windows -> decode.encode_windows -> shards.ShardWriter (workers: one shard per task;
        a worker decodes the next window while its encode threads resize + JPEG the previous one)
+Probes and shards run in worker processes (workers.distribute) under a watchdog: a video whose probe or
+decode makes no progress for --decode-timeout seconds is rejected (decode_timeout), its worker replaced.
 Every bad input becomes a RejectRecord with its stage, a machine reason and a human detail; code errors
 crash. Resume: a rerun skips complete shards (shards.ShardPaths.incomplete); --overwrite rebuilds from scratch.
 """
@@ -15,15 +17,14 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import multiprocessing
 import os
 import re
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
+from contextlib import closing
 from pathlib import Path
 
 from prep import answers as answers_mod
@@ -35,6 +36,7 @@ from prep.probe import ProbeFailure, ProbeResult, probe_video
 from prep.shards import (INPUT_REJECTS, ShardPaths, ShardWriter, assemble, file_entry, group_videos, read_stats, shard_name,
                          write_stats)
 from prep.windows import LAST_WINDOW, MIN_LAST_S, Window, make_windows
+from prep.workers import Retry, distribute, heartbeat
 from schemas.annotations import FORMATS, Annotation, reject
 from schemas.answer import DESCRIPTION as ANSWER_FORMAT
 from schemas.answer import format_answer
@@ -69,6 +71,7 @@ QVH_QUERY_TEMPLATE = (
     'Find every moment in the video that matches "{query}". Answer as JSON [[start, end], ...] '
     "in seconds from the start of the clip, or [] if there is none."
 )
+DECODE_TIMEOUT_S = 300.0  # a window of a long 4K video decodes in seconds; minutes without one is a hang
 SPECIAL_TOKENS = ("<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_start|>", "<|im_end|>")
 
 
@@ -110,6 +113,7 @@ class BuildConfig:
     samples_per_shard: int = 256
     shard_size_mb: float | None = 1024.0
     workers: int | None = None  # None: all cores available to this process
+    decode_timeout: float = DECODE_TIMEOUT_S  # seconds a decode may go without progress; 0: no watchdog
     overwrite: bool = False
     progress: bool = True
 
@@ -153,6 +157,8 @@ class BuildConfig:
             p.append("--samples-per-shard must be >= 1")
         if self.workers < 1:
             p.append("--workers must be >= 1")
+        if not self.decode_timeout >= 0:
+            p.append("--decode-timeout must be >= 0 (0: no watchdog)")
         if "{query}" not in self.query_template:
             p.append("--query-template must contain {query}")
         if self.prompt_layout not in LAYOUTS:
@@ -177,8 +183,9 @@ class BuildConfig:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self).items()}
 
     def fingerprint(self) -> str:
-        """What decides the content of the shards (not where they are, workers, progress, overwrite)."""
-        keep = {k: v for k, v in self.to_json().items() if k not in ("out", "workers", "overwrite", "progress")}
+        """What decides the content of the shards (not where they are, workers, the watchdog, progress, overwrite)."""
+        keep = {k: v for k, v in self.to_json().items()
+                if k not in ("out", "workers", "decode_timeout", "overwrite", "progress")}
         keep["budget"] = dataclasses.asdict(self.budget())
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
 
@@ -237,6 +244,7 @@ class WorkerSettings:
     bound: InputBound
     prompt_layout: str
     jpeg_quality: int
+    decode_timeout: float  # --decode-timeout, for the reject detail (the parent's watchdog enforces it)
     decode_threads: int  # decord threads per worker process
     encode_threads: int  # resize + JPEG threads per worker process, running while the decoder works
 
@@ -247,6 +255,7 @@ class ShardTask:
     out: Path
     videos: list[VideoJob]
     settings: WorkerSettings
+    timed_out: tuple[str, ...] = ()  # probe paths whose decode stalled: rejected, not opened again
 
     @property
     def paths(self) -> ShardPaths:
@@ -333,23 +342,15 @@ def sample_key(video_id: str, window_index: int) -> str:
 
 # ----------------------------------------------------------------------------------------------- worker
 
-_progress = None  # set per process: called with (videos, windows, source seconds) after each video
-
-
-def _init_worker(queue) -> None:
-    global _progress
-    _progress = queue.put
-    if sys.platform.startswith("linux"):
-        # die with the parent: after a kill -9 of the build, an orphan must not keep writing a shard
-        # that the rerun is rebuilding (pool workers would otherwise finish their shard, then hang)
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+def probe_one(path: str) -> ProbeResult | ProbeFailure:
+    """The probe as a worker task (the watchdog bounds it like a decode)."""
+    heartbeat(path)
+    return probe_video(path)
 
 
 def process_shard(task: ShardTask) -> dict:
-    """Build one shard from scratch: plan, tokenize, decode each file once, write; stats.json last."""
+    """Build one shard from scratch: plan, tokenize, decode each file once, write; stats.json last.
+    A file in task.timed_out (its decode hung in an earlier attempt) is not opened: its windows are rejects."""
     paths = task.paths
     paths.clear()
     s = task.settings
@@ -362,6 +363,9 @@ def process_shard(task: ShardTask) -> dict:
     try:
         with ThreadPoolExecutor(s.encode_threads, thread_name_prefix="encode") as pool:
             for file_jobs in _by_file(task.videos):
+                if file_jobs[0].probe.path in task.timed_out:
+                    _reject_timed_out(file_jobs, s.decode_timeout, rejects, t)
+                    continue
                 _process_file(file_jobs, s, tokenizer, pool, writer, records, rejects, keys, t)
         write_records(paths.samples, records, SampleRecord)
         write_records(paths.rejects, rejects, RejectRecord)
@@ -385,9 +389,22 @@ def _by_file(videos: list[VideoJob]) -> list[list[VideoJob]]:
     return list(groups.values())
 
 
+def _reject_timed_out(jobs: list[VideoJob], timeout_s: float, rejects: list[RejectRecord], t: Counter) -> None:
+    for video in jobs:
+        for job in video.windows:
+            w = job.window
+            rejects.append(reject(video.video_id, video.source_path, "decode_timeout",
+                                  f"window {w.index} ({w.start_s:.2f}-{w.end_s:.2f} s) not written: decoding "
+                                  f"{Path(video.probe.path).name} made no progress for --decode-timeout {timeout_s:g} s "
+                                  f"(its worker was killed and replaced)", stage="decode"))
+    t["videos"] += len(jobs)
+    heartbeat(jobs[0].probe.path, progress=(len(jobs), 0, 0.0))
+
+
 def _process_file(jobs: list[VideoJob], s: WorkerSettings, tokenizer, pool: Executor, writer: ShardWriter,
                   records: list[SampleRecord], rejects: list[RejectRecord], keys: set[str], t: Counter) -> None:
     """Every window of every annotation of one file, decoded in one forward pass over the file."""
+    heartbeat(jobs[0].probe.path)  # from here on the watchdog times this file
     t0 = time.perf_counter()
     planned = []
     for video in jobs:
@@ -409,7 +426,7 @@ def _process_file(jobs: list[VideoJob], s: WorkerSettings, tokenizer, pool: Exec
     probe = jobs[0].probe
     if planned:
         decoded = _timed(decode_windows(probe.path, [p[2].frame_indices for p in planned], num_threads=s.decode_threads),
-                         t, "decode_s")
+                         t, "decode_s", beat=probe.path)
         sizes = [(p[2].height, p[2].width) for p in planned]
         t0 = time.perf_counter()
         try:
@@ -434,8 +451,7 @@ def _process_file(jobs: list[VideoJob], s: WorkerSettings, tokenizer, pool: Exec
     t["videos"] += len(jobs)
     t["windows"] += done
     t["source_s"] += probe.duration_s
-    if _progress is not None:
-        _progress((len(jobs), done, probe.duration_s))
+    heartbeat(probe.path, progress=(len(jobs), done, probe.duration_s))
 
 
 def _query_over_bound(query: str, tokenizer, bound: InputBound) -> str:
@@ -447,8 +463,9 @@ def _query_over_bound(query: str, tokenizer, bound: InputBound) -> str:
     return f"the query alone has {n} tokens ({len(query)} characters) > {bound}" if n > bound.tokens else ""
 
 
-def _timed(items: Iterator, t: Counter, key: str) -> Iterator:
-    """Pass items through, adding the seconds spent producing them to t[key]."""
+def _timed(items: Iterator, t: Counter, key: str, beat: str) -> Iterator:
+    """Pass items through, adding the seconds spent producing them to t[key]; each item is a heartbeat
+    for `beat` (a decoded window is the progress the watchdog waits for)."""
     while True:
         t0 = time.perf_counter()
         try:
@@ -457,6 +474,7 @@ def _timed(items: Iterator, t: Counter, key: str) -> Iterator:
             return
         finally:
             t[key] += time.perf_counter() - t0
+        heartbeat(beat)
         yield item
 
 
@@ -541,10 +559,6 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _map(pool, fn, items: list) -> list:
-    return [fn(x) for x in items] if pool is None else pool.map(fn, items, chunksize=1)
-
-
 def build(config: BuildConfig) -> dict:
     """Run a whole build under the lock on --out; returns the summary that also goes into build.json."""
     problems = config.problems()
@@ -572,62 +586,51 @@ def _build_locked(config: BuildConfig) -> dict:
     bound = input_bound(config.max_input_tokens, config.tokenizer)
     anns, input_rejects = load_annotations(config.annotations, config.videos, config.format,
                                            allow_outside=config.allow_outside_videos)
-    # fork before any decoder runs in this process; probes and shards share the pool
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.SimpleQueue() if config.workers > 1 else None
-    pool = ctx.Pool(config.workers, initializer=_init_worker, initargs=(queue,)) if config.workers > 1 else None
-    try:
-        t0 = time.perf_counter()
-        paths = sorted({a.source_path for a in anns})
-        probes = dict(zip(paths, _map(pool, probe_video, [str(config.videos / p) for p in paths])))
-        probe_s = time.perf_counter() - t0
+    # probes and shards run in worker processes (prep/workers.py), forked before any decoder runs here
+    t0 = time.perf_counter()
+    paths = sorted({a.source_path for a in anns})
+    probes = dict(zip(paths, _probe_all([str(config.videos / p) for p in paths], config)))
+    probe_s = time.perf_counter() - t0
 
-        jobs: list[VideoJob] = []
-        for ann in anns:
-            probe = probes[ann.source_path]
-            if isinstance(probe, ProbeFailure):
-                input_rejects.append(reject(ann.video_id, ann.source_path, probe.reason, probe.detail, stage=probe.stage))
-                continue
-            job = plan_video(ann, probe, config)
-            (input_rejects if isinstance(job, RejectRecord) else jobs).append(job)
-        jobs.sort(key=lambda j: j.video_id)
-        # the unit of grouping is a file with all its annotations (sorted by their first id), so a file
-        # shared by several annotations is decoded once
-        units: dict[str, list[VideoJob]] = {}
-        for j in jobs:
-            units.setdefault(j.source_path, []).append(j)
-        shard_bytes = int(config.shard_size_mb * 2**20) if config.shard_size_mb else None
-        unit_groups = group_videos([(path, sum(len(j.windows) for j in js), sum(_estimate_bytes(j, budget) for j in js))
-                                    for path, js in units.items()], config.samples_per_shard, shard_bytes)
-        groups = [[j.video_id for path in g for j in units[path]] for g in unit_groups]
-        by_id = {j.video_id: j for j in jobs}
-        _check_plan(out, config, groups)
-        write_records(out / INPUT_REJECTS, input_rejects, RejectRecord)
+    jobs: list[VideoJob] = []
+    for ann in anns:
+        probe = probes[ann.source_path]
+        if isinstance(probe, ProbeFailure):
+            input_rejects.append(reject(ann.video_id, ann.source_path, probe.reason, probe.detail, stage=probe.stage))
+            continue
+        job = plan_video(ann, probe, config)
+        (input_rejects if isinstance(job, RejectRecord) else jobs).append(job)
+    jobs.sort(key=lambda j: j.video_id)
+    # the unit of grouping is a file with all its annotations (sorted by their first id), so a file
+    # shared by several annotations is decoded once
+    units: dict[str, list[VideoJob]] = {}
+    for j in jobs:
+        units.setdefault(j.source_path, []).append(j)
+    shard_bytes = int(config.shard_size_mb * 2**20) if config.shard_size_mb else None
+    unit_groups = group_videos([(path, sum(len(j.windows) for j in js), sum(_estimate_bytes(j, budget) for j in js))
+                                for path, js in units.items()], config.samples_per_shard, shard_bytes)
+    groups = [[j.video_id for path in g for j in units[path]] for g in unit_groups]
+    by_id = {j.video_id: j for j in jobs}
+    _check_plan(out, config, groups)
+    write_records(out / INPUT_REJECTS, input_rejects, RejectRecord)
 
-        decode_threads, encode_threads = worker_threads(config.workers)
-        settings = WorkerSettings(budget=budget, tokenizer=str(config.tokenizer) if config.tokenizer else None,
-                                  bound=bound, prompt_layout=config.prompt_layout, jpeg_quality=config.jpeg_quality,
-                                  decode_threads=decode_threads, encode_threads=encode_threads)
-        tasks = [ShardTask(index=i, out=out, videos=[by_id[v] for v in g], settings=settings) for i, g in enumerate(groups)]
-        pending = []
-        for t in tasks:
-            why = t.paths.incomplete()
-            if why is None:
-                continue
-            if t.paths.stats.is_file():  # looked complete: say why it is rebuilt instead of trusting it
-                print(f"prep build: rebuilding {t.paths.name}: {why}", file=sys.stderr)
-            pending.append(t)  # process_shard clears what is left of it, stats first
-        t0 = time.perf_counter()
-        _run_shards(pool, queue, pending, config.progress)
-        shards_s = time.perf_counter() - t0
-    except BaseException:
-        if pool is not None:  # a code error or Ctrl-C: stop the other shards now, their stats stay unwritten
-            pool.terminate()
-        raise
-    finally:
-        if pool is not None:
-            pool.close()
-            pool.join()
+    decode_threads, encode_threads = worker_threads(config.workers)
+    settings = WorkerSettings(budget=budget, tokenizer=str(config.tokenizer) if config.tokenizer else None,
+                              bound=bound, prompt_layout=config.prompt_layout, jpeg_quality=config.jpeg_quality,
+                              decode_timeout=config.decode_timeout,
+                              decode_threads=decode_threads, encode_threads=encode_threads)
+    tasks = [ShardTask(index=i, out=out, videos=[by_id[v] for v in g], settings=settings) for i, g in enumerate(groups)]
+    pending = []
+    for t in tasks:
+        why = t.paths.incomplete()
+        if why is None:
+            continue
+        if t.paths.stats.is_file():  # looked complete: say why it is rebuilt instead of trusting it
+            print(f"prep build: rebuilding {t.paths.name}: {why}", file=sys.stderr)
+        pending.append(t)  # process_shard clears what is left of it, stats first
+    t0 = time.perf_counter()
+    _run_shards(pending, config)
+    shards_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     names = [t.paths.name for t in tasks]
@@ -701,12 +704,37 @@ def _check_plan(out: Path, config: BuildConfig, groups: list[list[str]]) -> None
     tmp.replace(path)
 
 
-def _run_shards(pool, queue, tasks: list[ShardTask], show: bool) -> None:
-    """Process shards (in the pool, or inline with one worker) with a progress bar fed per video."""
+def _stall_s(config: BuildConfig) -> float | None:
+    return config.decode_timeout or None  # 0: no watchdog
+
+
+def _probe_all(paths: list[str], config: BuildConfig) -> list[ProbeResult | ProbeFailure]:
+    """Probe every file in the workers; a probe that hangs becomes a decode_timeout failure of that file."""
+
+    def on_stall(path: str, label: str, waited: float) -> ProbeFailure:
+        print(f"prep build: probing {path} made no progress for {waited:.1f} s (--decode-timeout "
+              f"{config.decode_timeout:g}); its worker was killed and replaced, the video is rejected", file=sys.stderr)
+        return ProbeFailure(path=path, reason="decode_timeout", stage="probe",
+                            detail=f"{Path(path).name}: probing made no progress for --decode-timeout "
+                                   f"{config.decode_timeout:g} s (its worker was killed and replaced)")
+
+    out: list = [None] * len(paths)
+    with closing(distribute(probe_one, paths, processes=config.workers, stall_s=_stall_s(config),
+                            on_stall=on_stall)) as results:
+        for i, result in results:
+            out[i] = result
+    return out
+
+
+def _run_shards(tasks: list[ShardTask], config: BuildConfig) -> None:
+    """Process shards in the workers with a progress bar fed per video. A file whose decode stalls is
+    dropped from its shard (decode_timeout rejects) and the shard is rebuilt without it."""
     from tqdm import tqdm
 
+    tqdm.monitor_interval = 0  # no monitor thread: the watchdog forks replacement workers from this process
     total_videos = sum(len(t.videos) for t in tasks)
-    bar = tqdm(total=total_videos, unit="video", disable=(not show) or None, desc="prep build", dynamic_ncols=True)
+    bar = tqdm(total=total_videos, unit="video", disable=(not config.progress) or None, desc="prep build",
+               dynamic_ncols=True)
     start = time.perf_counter()
     acc = Counter()
 
@@ -718,23 +746,21 @@ def _run_shards(pool, queue, tasks: list[ShardTask], show: bool) -> None:
         bar.set_postfix_str(f"{acc['windows'] / dt:.1f} windows/s, {acc['source_s'] / dt:.1f}x realtime", refresh=False)
         bar.update(videos)
 
-    global _progress
+    def on_stall(task: ShardTask, label: str, waited: float) -> Retry:
+        if label not in {v.probe.path for v in task.videos} or label in task.timed_out:
+            raise BuildError(f"{task.paths.name}: its worker made no progress for {waited:.0f} s on {label} "
+                             f"(--decode-timeout {config.decode_timeout:g})")
+        print(f"prep build: decoding {label} made no progress for {waited:.1f} s (--decode-timeout "
+              f"{config.decode_timeout:g}); its worker was killed and replaced, {task.paths.name} is rebuilt "
+              f"without it (decode_timeout rejects)", file=sys.stderr)
+        return Retry(dataclasses.replace(task, timed_out=task.timed_out + (label,)))
+
     try:
-        if pool is None:
-            _progress = update
-            for task in tasks:
-                process_shard(task)
-            return
-        drain = threading.Thread(target=lambda: [update(x) for x in iter(queue.get, None)], daemon=True)
-        drain.start()
-        try:
-            for _ in pool.imap_unordered(process_shard, tasks):
+        with closing(distribute(process_shard, tasks, processes=config.workers, stall_s=_stall_s(config),
+                                on_stall=on_stall, on_progress=update)) as results:
+            for _ in results:
                 pass
-        finally:
-            queue.put(None)
-            drain.join()
     finally:
-        _progress = None
         bar.close()
 
 
@@ -788,6 +814,9 @@ def parser() -> argparse.ArgumentParser:
     a("--samples-per-shard", type=int, default=256, help="target samples per shard (whole videos; a shard may hold fewer)")
     a("--shard-size-mb", type=float, default=1024.0, help="soft cap on estimated shard size in MiB (0: none)")
     a("--workers", type=int, default=None, help="processes for probing and shards (default: all cores)")
+    a("--decode-timeout", type=float, default=DECODE_TIMEOUT_S,
+      help="seconds a video's probe or decode may go without finishing a window; past it the video is rejected "
+           "(decode_timeout), its worker process is killed and replaced, and the build goes on (0: no watchdog)")
     a("--overwrite", action="store_true", help="delete this build's files in --out and rebuild (default: resume)")
     a("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return ap

@@ -25,6 +25,8 @@ from concurrent.futures import Executor
 import numpy as np
 from PIL import Image
 
+from prep import faults
+
 
 class DecodeError(RuntimeError):
     """decord failed on frames the probe said exist; the remaining windows of that video are rejected."""
@@ -53,6 +55,8 @@ def decode_windows(path: str, frame_indices: Sequence[Sequence[int]], *, num_thr
         raise DecodeError(f"decord cannot reopen {path}: {str(e).strip()[-300:]}") from e
     cache: dict[int, np.ndarray] = {}  # the previous window's frames
     for pos, indices in enumerate(frame_indices):
+        if pos:
+            faults.maybe_hang("decode", path)
         missing = sorted(set(indices) - cache.keys())
         try:
             batch = reader.get_batch(missing).asnumpy() if missing else []

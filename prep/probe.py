@@ -15,6 +15,7 @@ import dataclasses
 import math
 from pathlib import Path
 
+from prep import faults
 from prep.budget import MAX_RATIO
 
 STAGE = "probe"
@@ -93,6 +94,7 @@ def probe_video(path: str | Path, num_threads: int = 1) -> ProbeResult | ProbeFa
 
     path = Path(path)
     p = str(path)
+    faults.maybe_hang("probe", p)
     size = path.stat().st_size
     if size == 0:
         return ProbeFailure(path=p, reason="zero_byte_file", detail=f"{path.name} is empty (0 bytes)")

@@ -176,12 +176,18 @@ def test_qvhighlights_queries_of_one_file_share_one_decode(tmp_path, monkeypatch
     rows = [{"qid": 2, "vid": "clip_x", "duration": 10, "query": "a red square", "relevant_windows": [[2, 6]]},
             {"qid": 1, "vid": "clip_x", "duration": 10, "query": "the texture", "relevant_windows": [[0, 10]]}]
     (d / "qvh.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    calls = []
+    calls = tmp_path / "decodes.txt"  # the decode runs in a worker process: it reports through a file
     real = pb.decode_windows
-    monkeypatch.setattr(pb, "decode_windows", lambda path, idx, **kw: calls.append(path) or real(path, idx, **kw))
+
+    def counting(path, idx, **kw):
+        with open(calls, "a") as f:
+            f.write(path + "\n")
+        return real(path, idx, **kw)
+
+    monkeypatch.setattr(pb, "decode_windows", counting)
     build(BuildConfig(videos=d, out=tmp_path / "out", annotations=d / "qvh.jsonl", format="qvhighlights",
                       window_seconds=5.0, **SMALL))
-    assert len(calls) == 1
+    assert len(calls.read_text().splitlines()) == 1
     recs = read_records(tmp_path / "out" / "manifest.parquet", SampleRecord)
     assert [(r.sample_id, r.answer) for r in recs] == [
         ("1/w0000", "[[0.0, 5.0]]"), ("1/w0001", "[[0.0, 5.0]]"), ("2/w0000", "[[2.0, 5.0]]"), ("2/w0001", "[[0.0, 1.0]]")]

@@ -2,7 +2,9 @@
 disk, annotations reaching outside --videos or unreadable, and a decoder that hangs. Real processes, real files."""
 import hashlib
 import json
+import multiprocessing
 import os
+import re
 import shutil
 import signal
 import socket
@@ -15,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from prep.build import EXIT_LOCKED, BuildConfig, build
+from prep.faults import FAULT_ENV
 from prep.outdir import LOCK_FILE
 from prep.shards import ShardPaths, ShardWriter
 from prep.verify import verify_shards
@@ -216,7 +219,7 @@ def test_hostile_annotation_lines_are_rejects_and_every_good_video_builds(synth_
 
 
 def test_the_model_maximum_bounds_a_sample_by_default(synth_videos_dir, built_shards, tmp_path):
-    from prep.tokens import BUNDLED_TOKENIZER, load_tokenizer
+    from schemas.prompt import BUNDLED_TOKENIZER, load_tokenizer
 
     tok = tmp_path / "tokenizer"
     shutil.copytree(BUNDLED_TOKENIZER, tok)
@@ -242,3 +245,34 @@ def test_the_model_maximum_bounds_a_sample_by_default(synth_videos_dir, built_sh
         "tokens": 250, "source": "tokenizer model_max_length"}
     report = verify_shards(out, redecode=0)  # the lowered frame counts are legal under the recorded bound
     assert report.ok, report.problems
+
+
+# ------------------------------------------------------------------------------------- decode watchdog
+
+
+def test_a_hanging_decoder_is_rejected_its_worker_replaced_and_the_other_videos_build(
+        synth_videos_dir, built_shards, tmp_path, monkeypatch, capsys):
+    # vid_b's decoder blocks forever after its first window, vid_c's probe blocks at once (decord's get_batch hang)
+    monkeypatch.setenv(FAULT_ENV, "decode_hang:vid_b.mp4,probe_hang:vid_c.mp4")
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    summary = build(BuildConfig(videos=synth_videos_dir, out=out, **{**BUILT_SHARDS_ARGS, "decode_timeout": 2.5}))
+    assert time.monotonic() - t0 < 60
+    err = capsys.readouterr().err
+    for verb, name in (("decoding", "vid_b"), ("probing", "vid_c")):
+        assert re.search(rf"{verb} {re.escape(str(synth_videos_dir / name))}.mp4 made no progress for \d+\.\d s "
+                         rf"\(--decode-timeout 2.5\); its worker was killed and replaced", err), err
+    rejects = read_records(out / "rejects.parquet", RejectRecord)
+    assert [(r.video_id, r.stage, r.reason) for r in rejects] == (
+        [("vid_b", "decode", "decode_timeout")] * 3 + [("vid_c", "probe", "decode_timeout")])
+    assert "decoding vid_b.mp4 made no progress for --decode-timeout 2.5 s" in rejects[0].detail
+    assert "vid_c.mp4: probing made no progress for --decode-timeout 2.5 s" in rejects[3].detail
+    # one worker process: vid_d was built after both hangs only because a fresh worker replaced the stuck one
+    reference = {r.sample_id: r for r in read_records(built_shards / "manifest.parquet", SampleRecord)}
+    got = read_records(out / "manifest.parquet", SampleRecord)
+    assert summary["samples"] == 6 and {r.video_id for r in got} == {"vid_a", "vid_d"}
+    for r in got:
+        ref = reference[r.sample_id]
+        assert (r.frame_indices, r.answer, r.input_tokens) == (ref.frame_indices, ref.answer, ref.input_tokens)
+    assert verify_shards(out, redecode=0).ok
+    assert not multiprocessing.active_children()

@@ -1,0 +1,92 @@
+"""prep/workers.py: the distributor and its watchdog, with tiny worker functions in real forked processes."""
+import os
+import signal
+import time
+from contextlib import closing
+
+import pytest
+
+from prep.workers import RemoteTraceback, Retry, WorkerDied, distribute, heartbeat
+
+
+def children() -> set[int]:
+    """Live child processes of this one (from /proc), so a test can assert none is left behind."""
+    me, out = str(os.getpid()), set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[1] == me and fields[0] != "Z":
+                out.add(int(d))
+    return out
+
+
+def square(x):
+    heartbeat(f"item {x}", progress=x)
+    return x * x, os.getpid()
+
+
+def test_every_task_comes_back_with_its_index_and_progress_reaches_the_parent():
+    seen = []
+    with closing(distribute(square, list(range(7)), processes=3, on_progress=seen.append)) as results:
+        got = dict(results)
+    assert {i: v for i, (v, _) in got.items()} == {i: i * i for i in range(7)}
+    assert len({pid for _, pid in got.values()}) <= 3 and os.getpid() not in {pid for _, pid in got.values()}
+    assert sorted(seen) == list(range(7))
+    assert not children()
+
+
+def fail_on_three(x):
+    if x == 3:
+        raise ValueError(f"bad item {x}")
+    return x
+
+
+def test_a_worker_exception_is_raised_in_the_parent_with_the_worker_traceback():
+    with pytest.raises(ValueError, match="bad item 3") as e:
+        with closing(distribute(fail_on_three, [1, 2, 3, 4], processes=2)) as results:
+            list(results)
+    assert isinstance(e.value.__cause__, RemoteTraceback) and "fail_on_three" in str(e.value.__cause__)
+    assert not children()
+
+
+def hang_on(x):
+    """x = (value, hang): a hang beats once, then sleeps like a stuck decoder."""
+    value, hang = x
+    heartbeat(f"video {value}")
+    if hang:
+        time.sleep(600)
+    return value
+
+
+def test_a_stalled_worker_is_killed_and_replaced_and_on_stall_decides_the_task():
+    stalls = []
+
+    def on_stall(task, label, waited):
+        stalls.append((task, label, waited))
+        return Retry((task[0] * 10, False)) if task[0] == 1 else "gave up"
+
+    t0 = time.monotonic()
+    with closing(distribute(hang_on, [(1, True), (2, False), (3, True), (4, False)], processes=1, stall_s=0.5,
+                            on_stall=on_stall)) as results:
+        got = dict(results)
+    # one process: the tasks after each hang ran only because a fresh worker replaced the stuck one
+    assert got == {0: 10, 1: 2, 2: "gave up", 3: 4}
+    assert [(t, label) for t, label, _ in stalls] == [((1, True), "video 1"), ((3, True), "video 3")]
+    assert all(w >= 0.5 for _, _, w in stalls) and time.monotonic() - t0 < 30
+    assert not children()
+
+
+def die(x):
+    heartbeat(f"video {x}")
+    os.kill(os.getpid(), signal.SIGKILL)  # a decoder segfault or the OOM killer
+
+
+def test_a_worker_that_dies_is_an_error_naming_what_it_worked_on():
+    with pytest.raises(WorkerDied, match=r"killed by SIGKILL\) while working on video 7 \(task 0\)"):
+        with closing(distribute(die, [7], processes=1, stall_s=60)) as results:
+            list(results)
+    assert not children()
