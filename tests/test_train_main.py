@@ -7,13 +7,16 @@ Each run is a module-scoped fixture so several tests read one run; runs are a fe
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.train_helpers import events, explain, launch, steps, subset_shards, verify
+from tests.train_helpers import REPO, events, explain, launch, steps, subset_shards, train_env, verify
 
 FIVE = ["vid_a/w0002", "vid_b/w0002", "vid_c/w0002", "vid_d/w0002", "vid_a/w0001"]
 ONE = ["vid_a/w0002"]
@@ -212,6 +215,9 @@ def test_full_finetune_qwen3_5_with_tail_pad_reloads_with_from_pretrained(five, 
     assert verify_main([str(run)]) == 0  # in-process: every tensor of RUN/model equals the save-time digest
     assert "60/60 tensors equal" in capsys.readouterr().out
     model = AutoModelForImageTextToText.from_pretrained(run / "model")
+    from transformers import AutoProcessor
+
+    assert type(AutoProcessor.from_pretrained(run / "model")).__name__ == "Qwen3VLProcessor"
     base = load_file(str(cache / "tiny_qwen3_5" / "model.safetensors"))
     got = dict(model.named_parameters())
     lm = "model.language_model.layers.1.mlp.down_proj.weight"
@@ -220,14 +226,54 @@ def test_full_finetune_qwen3_5_with_tail_pad_reloads_with_from_pretrained(five, 
     assert torch.equal(got[vis].float(), base[vis].to(torch.bfloat16).float())  # frozen vision tower
 
 
-def test_loss_goes_down_on_a_repeated_batch_single_process(one, cache, tmp_path):
-    run = tmp_path / "run"
-    proc = launch(_args(one, run, cache, "--epochs", "6", "--lr", "3e-3", "--lora-dropout", "0", "--warmup-steps",
-                        "0", "--min-lr-ratio", "1.0", "--dtype", "fp32", "--num-workers", "0"), nproc=0)
+@pytest.fixture(scope="module")
+def single_run(one, cache, tmp_path_factory):
+    """One process, LoRA, 6 epochs of one sample; --model given relative to the trainer's working directory,
+    as a user types it."""
+    run = tmp_path_factory.mktemp("single_run")
+    model = os.path.relpath(cache / "tiny_qwen3_vl", REPO)
+    proc = launch(_args(one, run, cache, "--model", model, "--epochs", "6", "--lr", "3e-3", "--lora-dropout", "0",
+                        "--warmup-steps", "0", "--min-lr-ratio", "1.0", "--dtype", "fp32", "--num-workers", "0"), nproc=0)
+    return proc, run
+
+
+def test_loss_goes_down_on_a_repeated_batch_single_process(single_run):
+    proc, run = single_run
     assert proc.returncode == 0, explain(proc)
     losses = [steps(run, 0)[s]["loss"] for s in range(6)]
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
     assert losses[-1] < 0.9 * losses[0], losses
+
+
+OPEN_ADAPTER = """
+import json, sys
+from peft import AutoPeftModel
+from transformers import AutoProcessor
+model = AutoPeftModel.from_pretrained(sys.argv[1])
+processor = AutoProcessor.from_pretrained(sys.argv[1])
+print(json.dumps({"model": type(model.get_base_model()).__name__, "processor": type(processor).__name__,
+                  "lora": sum("lora_B" in n for n, _ in model.named_parameters())}))
+"""
+
+
+def test_saved_adapter_opens_in_its_own_loaders_from_another_working_directory(single_run, cache, tmp_path):
+    proc, run = single_run
+    assert proc.returncode == 0, explain(proc)
+    base = str((cache / "tiny_qwen3_vl").resolve())
+    adapter_config = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == base
+    assert json.loads((run / "run.json").read_text())["model"]["dir"] == base
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    opened = subprocess.run([sys.executable, "-c", OPEN_ADAPTER, str(run / "adapter")], cwd=elsewhere, env=train_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert opened.returncode == 0, opened.stderr[-3000:]
+    got = json.loads(opened.stdout.strip().splitlines()[-1])
+    assert got["model"] == "Qwen3VLForConditionalGeneration" and got["processor"] == "Qwen3VLProcessor" and got["lora"] > 0
+    verified = subprocess.run([sys.executable, "-m", "train.verify_adapter", str(run)], cwd=elsewhere, env=train_env(),
+                              capture_output=True, text=True, timeout=300)
+    assert verified.returncode == 0, verified.stderr[-3000:]
+    assert " tensors equal" in verified.stdout
 
 
 def test_renamed_checkpoint_key_fails_load_verification(cache, one, tmp_path):

@@ -18,7 +18,6 @@
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import io
@@ -33,6 +32,7 @@ import numpy as np
 import torch
 
 from train.faults import maybe_kill
+from train.zero import gathered
 
 ADAPTER_DIR = "adapter"
 MODEL_DIR = "model"
@@ -53,25 +53,21 @@ def tensor_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
 
 
-def _gathered(params):
-    zero = [p for p in params if hasattr(p, "ds_id")]
-    if not zero:
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(zero, modifier_rank=None)
-
-
 def trainable_state(model) -> dict[str, torch.Tensor]:
     """name -> full (gathered) copy of every trainable tensor, on every rank. Collective under ZeRO-3."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    with _gathered([p for _, p in named]):
+    with gathered([p for _, p in named]):
         return {n: p.detach().to("cpu").clone() for n, p in named}
 
 
-def save_adapter(model, run_dir: Path, *, rank: int, tokenizer=None) -> Path:
-    """PEFT adapter of a LoRA model (all ranks call; rank 0 writes). Returns the adapter directory."""
+def save_adapter(model, run_dir: Path, *, rank: int, tokenizer, base_dir: Path) -> Path:
+    """PEFT adapter of a LoRA model (all ranks call; rank 0 writes). Returns the adapter directory.
+
+    adapter_config.json names the base model by its absolute path, so `AutoPeftModel.from_pretrained(RUN/adapter)`
+    works from any working directory; the tokenizer and processor files go beside it (AutoProcessor)."""
     from safetensors.torch import load_file, save_file
+
+    from train.models import save_processor
 
     out = Path(run_dir) / ADAPTER_DIR
     state = trainable_state(model)
@@ -80,6 +76,9 @@ def save_adapter(model, run_dir: Path, *, rank: int, tokenizer=None) -> Path:
     lora = {k: v for k, v in state.items() if "lora_" in k}
     other = {k: v for k, v in state.items() if "lora_" not in k}
     out.mkdir(parents=True, exist_ok=True)
+    base = str(Path(base_dir).resolve())
+    for cfg in model.peft_config.values():
+        cfg.base_model_name_or_path = base
     model.save_pretrained(str(out), state_dict=lora, safe_serialization=True)
     digests = {"adapter_model.safetensors": {}, NON_LORA: {}}
     # Record what the file must hold, from the in-memory tensors, keyed by the names PEFT wrote.
@@ -96,8 +95,7 @@ def save_adapter(model, run_dir: Path, *, rank: int, tokenizer=None) -> Path:
         save_file(base, str(out / NON_LORA), metadata={"format": "pt"})
         digests[NON_LORA] = {k: tensor_sha256(v) for k, v in base.items()}
     (out / DIGESTS).write_text(json.dumps(digests, indent=1))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(out))
+    save_processor(out, model_config=model.get_base_model().config, tokenizer=tokenizer, source_dir=base_dir)
     return out
 
 
@@ -111,8 +109,11 @@ def _base_key(name: str) -> str:
     return name.removeprefix("base_model.model.")
 
 
-def save_full(engine, model, run_dir: Path, *, rank: int, tokenizer=None, dtype=torch.bfloat16) -> Path:
-    """16-bit weights of a full fine-tune, loadable with from_pretrained (all ranks call; rank 0 writes)."""
+def save_full(engine, model, run_dir: Path, *, rank: int, tokenizer, base_dir: Path, dtype=torch.bfloat16) -> Path:
+    """16-bit weights of a full fine-tune, loadable with from_pretrained, and the tokenizer and processor
+    files, loadable with AutoProcessor (all ranks call; rank 0 writes)."""
+    from train.models import save_processor
+
     out = Path(run_dir) / MODEL_DIR
     if engine.zero_optimization_partition_weights():
         state = engine._zero3_consolidated_16bit_state_dict()  # gathered layer by layer onto rank 0
@@ -134,8 +135,7 @@ def save_full(engine, model, run_dir: Path, *, rank: int, tokenizer=None, dtype=
             raise RuntimeError(f"save_pretrained wrote keys the state dict does not have: {missing[:5]}")
         digests[path.name] = {k: tensor_sha256(state[k]) for k in keys}
     (out / DIGESTS).write_text(json.dumps(digests, indent=1))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(out))
+    save_processor(out, model_config=model.config, tokenizer=tokenizer, source_dir=base_dir)
     return out
 
 

@@ -13,7 +13,6 @@ gather is a collective), and each rank compares its share of the keys.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import re
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from train.zero import gathered
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 GATHER_NUMEL = 64 * 2**20  # gather at most this many elements at once during --verify-load
 
@@ -205,15 +205,6 @@ def _persistent_buffer(model, name: str) -> bool:
     return buf in getattr(module, "_buffers", {}) and buf not in getattr(module, "_non_persistent_buffers_set", set())
 
 
-def _gathered(params: list[torch.Tensor]):
-    zero = [p for p in params if hasattr(p, "ds_id")]
-    if not zero:
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(zero, modifier_rank=None)
-
-
 def verify_values(model, model_dir: str | Path, report: LoadReport, entries: dict[str, CheckpointEntry], *,
                   rank: int = 0, world_size: int = 1) -> int:
     """Compare every 1:1 checkpoint tensor with the loaded parameter (cast to the parameter's dtype, exact).
@@ -248,7 +239,7 @@ def verify_values(model, model_dir: str | Path, report: LoadReport, entries: dic
     try:
         for group in groups:
             params = [tensors[target[k]] for k in group]
-            with _gathered(params):
+            with gathered(params):
                 for k, p in zip(group, params):
                     if i % world_size == rank:  # each rank compares its share; all ranks gathered together
                         file = entries[k].file

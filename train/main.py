@@ -145,7 +145,7 @@ class Recipe:
             self.log.say(f"resume: skipped checkpoint {skip['tag']}: {skip['reason']}")
 
         # 2. Model directory and family (config.json only, no weights yet).
-        self.model_dir = self._model_dir()
+        self.model_dir = self._model_dir().resolve()  # absolute: run.json and the adapter name it for any cwd
         self.family = detect_family(self.model_dir)
         if cfg.model_family is not None and cfg.model is not None and cfg.model_family != self.family:
             raise ConfigError(f"--model-family {cfg.model_family} but {self.model_dir}/config.json is {self.family}")
@@ -445,9 +445,11 @@ class Recipe:
         self.phase = "save"
         maybe_fail("save", self.global_step, self.rank)
         if self.cfg.lora:
-            out = save_adapter(self.engine.module, self.run_dir, rank=self.rank, tokenizer=self.tokenizer)
+            out = save_adapter(self.engine.module, self.run_dir, rank=self.rank, tokenizer=self.tokenizer,
+                               base_dir=self.model_dir)
         else:
             out = save_full(self.engine, self.engine.module, self.run_dir, rank=self.rank, tokenizer=self.tokenizer,
+                            base_dir=self.model_dir,
                             dtype=self.dtype)
         torch.distributed.barrier()
         mem = self.memory.record("save", self.global_step)

@@ -1,11 +1,14 @@
-"""Model families, the tiny random-weight models used by tests and the demo, and real-size shapes.
+"""Model families, the tiny random-weight models used by tests and the demo, real-size shapes, and the
+processor files every saved model directory carries.
 
 Tiny models are built from a config with the real transformers classes, saved with `save_pretrained` next
-to the shipped tokenizer, and loaded back through the ordinary loading path, so nothing needs a hub.
+to the shipped tokenizer and a processor config, and loaded back through the ordinary loading path, so
+nothing needs a hub and `AutoProcessor.from_pretrained(dir)` works on every directory the package writes.
 """
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -13,6 +16,9 @@ import torch
 from schemas.prompt import load_tokenizer, special_id
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+# What a Qwen-VL model directory holds besides weights and tokenizer for AutoProcessor (5.x writes the first;
+# hub checkpoints ship the two per-processor files)
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
 FAMILIES = {"qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_5": "Qwen3_5ForConditionalGeneration"}
 
 
@@ -69,8 +75,35 @@ def create_random_model(name: str, out_dir: str | Path, *, seed: int = 0, dtype=
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
     model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    save_processor(out_dir, model_config=config, tokenizer=tokenizer)
     return out_dir
+
+
+def save_processor(out_dir: str | Path, *, model_config, tokenizer, source_dir: str | Path | None = None) -> Path:
+    """Make out_dir open with `AutoProcessor.from_pretrained`: the tokenizer (with its chat template), and
+    the processor files of source_dir (the base model directory) copied verbatim when it has them, else a
+    processor_config.json with the model's own vision geometry (both families use transformers'
+    Qwen3VLProcessor). Written as JSON, so saving needs no torchvision; loading it does (transformers')."""
+    out_dir = Path(out_dir)
+    tokenizer.save_pretrained(str(out_dir))
+    found = [Path(source_dir) / n for n in PROCESSOR_FILES if source_dir is not None and (Path(source_dir) / n).is_file()]
+    if found:
+        for path in found:
+            if path.resolve() != (out_dir / path.name).resolve():
+                shutil.copyfile(path, out_dir / path.name)
+        return out_dir
+    vision = model_config.vision_config
+    geometry = {"patch_size": _side(vision.patch_size), "temporal_patch_size": vision.temporal_patch_size,
+                "merge_size": vision.spatial_merge_size, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+    config = {"processor_class": "Qwen3VLProcessor",
+              "image_processor": {"image_processor_type": "Qwen2VLImageProcessor", **geometry},
+              "video_processor": {"video_processor_type": "Qwen3VLVideoProcessor", **geometry}}
+    (out_dir / PROCESSOR_FILES[0]).write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir
+
+
+def _side(v) -> int:
+    return int(v[0] if isinstance(v, (list, tuple)) else v)
 
 
 def ensure_tiny_model(family: str, cache_dir: str | Path) -> Path:
@@ -80,4 +113,8 @@ def ensure_tiny_model(family: str, cache_dir: str | Path) -> Path:
         tmp = out.with_name(out.name + ".tmp")
         create_random_model(f"tiny_{family}", tmp)
         tmp.rename(out)
+    elif not any((out / n).is_file() for n in PROCESSOR_FILES):  # created by an older version: add them
+        from transformers import AutoConfig
+
+        save_processor(out, model_config=AutoConfig.from_pretrained(out), tokenizer=load_tokenizer())
     return out
