@@ -31,7 +31,7 @@ from prep import answers as answers_mod
 from prep.annotations import check_segments, load_annotations
 from prep.budget import PATCH_SIZE, FramePlan, VideoBudget, group_times, plan_frames
 from prep.decode import DecodeError, decode_windows, encode_windows
-from prep.outdir import PLAN_FILE, BuildLock, BuildLocked, our_files, sweep_temps, tmp_name
+from prep.outdir import PLAN_FILE, BuildIOError, BuildLock, BuildLocked, io_stage, our_files, sweep_temps, tmp_name
 from prep.probe import ProbeFailure, ProbeResult, probe_video
 from prep.shards import (INPUT_REJECTS, ShardPaths, ShardWriter, assemble, file_entry, group_videos, read_stats, shard_name,
                          write_stats)
@@ -79,6 +79,7 @@ SPECIAL_TOKENS = ("<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_s
 EXIT_NO_SAMPLE = 1  # every input was rejected
 EXIT_CONFIG = 2  # BuildError: invalid flags, or --out holds a different build
 EXIT_LOCKED = 3  # another live build holds --out (its pid, host and start time are named)
+EXIT_IO = 4  # BuildIOError: no space, permission denied, read-only filesystem, ... (stage and path named)
 
 
 class BuildError(RuntimeError):
@@ -352,32 +353,38 @@ def process_shard(task: ShardTask) -> dict:
     """Build one shard from scratch: plan, tokenize, decode each file once, write; stats.json last.
     A file in task.timed_out (its decode hung in an earlier attempt) is not opened: its windows are rejects."""
     paths = task.paths
-    paths.clear()
+    with io_stage("write shard", paths.tar):
+        paths.clear()
+        writer = ShardWriter(paths)
     s = task.settings
     tokenizer = load_tokenizer(s.tokenizer)
-    writer = ShardWriter(paths)
     records: list[SampleRecord] = []
     rejects: list[RejectRecord] = []
     keys: set[str] = set()
     t = Counter()
     try:
-        with ThreadPoolExecutor(s.encode_threads, thread_name_prefix="encode") as pool:
+        with io_stage("write shard", writer.tmp), ThreadPoolExecutor(s.encode_threads, thread_name_prefix="encode") as pool:
             for file_jobs in _by_file(task.videos):
                 if file_jobs[0].probe.path in task.timed_out:
                     _reject_timed_out(file_jobs, s.decode_timeout, rejects, t)
                     continue
                 _process_file(file_jobs, s, tokenizer, pool, writer, records, rejects, keys, t)
-        write_records(paths.samples, records, SampleRecord)
-        write_records(paths.rejects, rejects, RejectRecord)
-        sha, size = writer.commit()  # the tar gets its final name only after its sidecars exist
+        with io_stage("write sidecars", paths.samples):
+            write_records(paths.samples, records, SampleRecord)
+            write_records(paths.rejects, rejects, RejectRecord)
+        with io_stage("write shard", writer.tmp):
+            sha, size = writer.commit()  # the tar gets its final name only after its sidecars exist
     except BaseException:
         writer.abort()
         raise
+    with io_stage("write sidecars", paths.samples):
+        sidecars = {kind: file_entry(path) for kind, path in paths.sidecars().items()}
     stats = {"shard": paths.tar.name, "sha256": sha, "bytes": size, "samples": len(records), "rejects": len(rejects),
-             "sidecars": {kind: file_entry(path) for kind, path in paths.sidecars().items()},
+             "sidecars": sidecars,
              "videos": len(task.videos), "video_ids": [v.video_id for v in task.videos],
              **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in t.items()}}
-    write_stats(paths, stats)
+    with io_stage("write stats", paths.stats):
+        write_stats(paths, stats)
     return stats
 
 
@@ -565,31 +572,40 @@ def build(config: BuildConfig) -> dict:
     if problems:
         raise BuildError("invalid build config:\n  " + "\n  ".join(problems))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    config.out.mkdir(parents=True, exist_ok=True)
-    with BuildLock(config.out) as lock:  # held until build.json is written (BuildLocked when another build has it)
+    lock = BuildLock(config.out)  # held until build.json is written (BuildLocked when another build has it)
+    with io_stage("lock", lock.path):
+        config.out.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+    try:
         if lock.previous is not None:
             print(f"prep build: took over {lock.path} from {lock.previous}: that build ended without releasing it "
                   f"(killed?); its unfinished shards are rebuilt", file=sys.stderr)
-        return _build_locked(config)
+        with io_stage("build", config.out):  # any OS error a named stage below did not catch
+            return _build_locked(config)
+    finally:
+        lock.release()
 
 
 def _build_locked(config: BuildConfig) -> dict:
     t_start = time.perf_counter()
     out = config.out
-    if config.overwrite:
-        for p in our_files(out):
-            p.unlink()
-    sweep_temps(out)  # partial files of a dead build: no other build can be writing here now
+    with io_stage("clean", out):
+        if config.overwrite:
+            for p in our_files(out):
+                p.unlink()
+        sweep_temps(out)  # partial files of a dead build: no other build can be writing here now
     budget = config.budget()
     tok_info = _tokenizer_info(config.tokenizer)  # fails fast on a tokenizer without the Qwen-VL tokens
 
     bound = input_bound(config.max_input_tokens, config.tokenizer)
-    anns, input_rejects = load_annotations(config.annotations, config.videos, config.format,
-                                           allow_outside=config.allow_outside_videos)
+    with io_stage("annotations", config.annotations):
+        anns, input_rejects = load_annotations(config.annotations, config.videos, config.format,
+                                               allow_outside=config.allow_outside_videos)
     # probes and shards run in worker processes (prep/workers.py), forked before any decoder runs here
     t0 = time.perf_counter()
     paths = sorted({a.source_path for a in anns})
-    probes = dict(zip(paths, _probe_all([str(config.videos / p) for p in paths], config)))
+    with io_stage("probe", config.videos):
+        probes = dict(zip(paths, _probe_all([str(config.videos / p) for p in paths], config)))
     probe_s = time.perf_counter() - t0
 
     jobs: list[VideoJob] = []
@@ -611,8 +627,9 @@ def _build_locked(config: BuildConfig) -> dict:
                                 for path, js in units.items()], config.samples_per_shard, shard_bytes)
     groups = [[j.video_id for path in g for j in units[path]] for g in unit_groups]
     by_id = {j.video_id: j for j in jobs}
-    _check_plan(out, config, groups)
-    write_records(out / INPUT_REJECTS, input_rejects, RejectRecord)
+    with io_stage("plan", out / PLAN_FILE):
+        _check_plan(out, config, groups)
+        write_records(out / INPUT_REJECTS, input_rejects, RejectRecord)
 
     decode_threads, encode_threads = worker_threads(config.workers)
     settings = WorkerSettings(budget=budget, tokenizer=str(config.tokenizer) if config.tokenizer else None,
@@ -629,12 +646,14 @@ def _build_locked(config: BuildConfig) -> dict:
             print(f"prep build: rebuilding {t.paths.name}: {why}", file=sys.stderr)
         pending.append(t)  # process_shard clears what is left of it, stats first
     t0 = time.perf_counter()
-    _run_shards(pending, config)
+    with io_stage("shards", out):  # the workers name their own stage and file (write shard, sidecars, stats)
+        _run_shards(pending, config)
     shards_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     names = [t.paths.name for t in tasks]
-    samples, rejects = assemble(out, names)
+    with io_stage("assemble", out / "manifest.parquet"):
+        samples, rejects = assemble(out, names)
     stats = [read_stats(t.paths) for t in tasks]
     assemble_s = time.perf_counter() - t0
     total_s = time.perf_counter() - t_start
@@ -663,7 +682,7 @@ def _build_locked(config: BuildConfig) -> dict:
                               realtime_factor=_rate(source_s, shards_s)),
     )
     versions = package_versions()
-    BuildRecord(
+    record = BuildRecord(
         summary=summary,
         model_family=config.model_family,
         prompt=PromptInfo(layout=config.prompt_layout, transformers=versions.get("transformers")),
@@ -677,7 +696,9 @@ def _build_locked(config: BuildConfig) -> dict:
         config=config.to_json(),
         budget=dataclasses.asdict(budget),
         max_input_tokens=bound,
-    ).write(out, tmp=tmp_name(out / BUILD_JSON))
+    )
+    with io_stage("build.json", out / BUILD_JSON):
+        record.write(out, tmp=tmp_name(out / BUILD_JSON))
     return dataclasses.asdict(summary)
 
 
@@ -772,6 +793,10 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m prep build",
         description="Decode videos once into token-budgeted WebDataset shards + manifest.parquet, rejects.parquet "
                     "and build.json. Bad inputs become rows in rejects.parquet; a rerun resumes.",
+        epilog=f"exit codes: 0 done; {EXIT_NO_SAMPLE} no sample written (every input rejected); {EXIT_CONFIG} invalid "
+               f"flags or --out holds a different build; {EXIT_LOCKED} another build holds --out (its pid, host and "
+               f"start time are named); {EXIT_IO} an OS error such as no space left (stage and path named; rerun the "
+               f"same command to resume)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     a = ap.add_argument
@@ -855,6 +880,9 @@ def cli(argv: list[str] | None = None) -> int:
     except BuildLocked as e:
         print(f"prep build: error: {e}", file=sys.stderr)
         return EXIT_LOCKED
+    except BuildIOError as e:
+        print(f"prep build: error: {e}", file=sys.stderr)
+        return EXIT_IO
     print("\n".join(summary_lines(summary, config.out)))
     print(json.dumps({"event": "prep_build_done", **summary}, sort_keys=True))
     if summary["samples"] == 0:

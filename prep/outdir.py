@@ -11,6 +11,11 @@ servers honour across hosts (older ones may not: use one --out per host there).
 Temporary files: every writer writes under its own name, `<final name>.<pid>-<random>.tmp`, and renames
 only that file into place, so two writers can never publish or delete each other's partial bytes. Temps
 left by a dead build are removed by the next build once it holds the lock (no other build can be live).
+
+OS errors (no space, permission denied, read-only filesystem, ...) become a BuildIOError naming the stage
+and the path (`with io_stage("write shard", path): ...`), printed as one line with exit code 4: nothing is
+published half-written (temps are renamed only when complete), so rerunning the same command once the
+cause is gone resumes the build.
 """
 from __future__ import annotations
 
@@ -19,10 +24,13 @@ import errno
 import fcntl
 import json
 import os
+import re
 import secrets
 import socket
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 LOCK_FILE = "build.lock"
@@ -35,6 +43,34 @@ BUILD_FILES = ("manifest.parquet", "rejects.parquet", "build.json", PLAN_FILE, I
 
 class BuildLocked(RuntimeError):
     """Another live build holds --out."""
+
+
+class BuildIOError(RuntimeError):
+    """An OS error at a named stage of the build, on a named path (picklable: it crosses from workers)."""
+
+    def __init__(self, stage: str, path: str, errno_: int | None, strerror: str):
+        super().__init__(stage, path, errno_, strerror)
+        self.stage, self.path, self.errno, self.strerror = stage, path, errno_, strerror
+
+    def __str__(self) -> str:
+        code = f" ({errno.errorcode[self.errno]})" if self.errno in errno.errorcode else ""
+        return (f"{self.strerror}{code} at stage '{self.stage}' on {self.path}; fix that (free space, permissions, "
+                f"a writable mount) and rerun the same command: the build resumes")
+
+
+@contextmanager
+def io_stage(stage: str, path: str | Path) -> Iterator[None]:
+    """Turn an OSError raised inside into a BuildIOError for `stage`, naming the error's own file when it
+    has one (open, rename), else `path` (a write to an open file, pyarrow)."""
+    try:
+        yield
+    except OSError as e:
+        code = e.errno
+        if code is None:  # pyarrow's IO errors carry the errno in their text only
+            found = re.search(r"errno (\d+)", str(e), re.IGNORECASE)
+            code = int(found.group(1)) if found else None
+        text = e.strerror or (os.strerror(code) if code else str(e).strip().splitlines()[0])
+        raise BuildIOError(stage, str(e.filename or path), code, text) from e
 
 
 def tmp_name(final: Path) -> Path:
@@ -78,7 +114,8 @@ class Holder:
 
 
 class BuildLock:
-    """`with BuildLock(out) as lock:` holds OUT/build.lock; lock.previous is the dead holder it replaced."""
+    """`with BuildLock(out) as lock:` (or acquire()/release()) holds OUT/build.lock; lock.previous is the dead
+    holder it replaced."""
 
     def __init__(self, out: Path):
         self.path = Path(out) / LOCK_FILE
@@ -86,6 +123,12 @@ class BuildLock:
         self._fd: int | None = None
 
     def __enter__(self) -> "BuildLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def acquire(self) -> "BuildLock":
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -106,9 +149,12 @@ class BuildLock:
         self._fd = fd
         return self
 
-    def __exit__(self, *exc) -> None:
+    def release(self) -> None:
         if self._fd is not None:
-            os.ftruncate(self._fd, 0)  # a clean end leaves no holder to "take over"; the file stays (no unlink race)
+            try:
+                os.ftruncate(self._fd, 0)  # a clean end leaves no holder to "take over"; the file stays (no unlink race)
+            except OSError:  # e.g. the filesystem went read-only: the stale holder line only makes the next build
+                pass  # say "took over"; the error that matters is the one being raised, if any
             os.close(self._fd)  # closing the last descriptor releases the flock
             self._fd = None
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from prep import faults
 from prep.outdir import INPUT_REJECTS, tmp_name
 from schemas.manifest import RejectRecord, SampleRecord, arrow_schema
 from schemas.shard import JSON_EXT, ShardSample, frame_ext
@@ -104,7 +105,8 @@ class ShardWriter:
         self.tmp = tmp_name(paths.tar)
         self._file = open(self.tmp, "xb")  # exclusive: a name collision fails instead of sharing a file
         self._hash = hashlib.sha256()
-        self._tar = tarfile.open(fileobj=_HashingWriter(self._file, self._hash), mode="w", format=tarfile.USTAR_FORMAT)
+        self._tar = tarfile.open(fileobj=_HashingWriter(self._file, self._hash, self.tmp), mode="w",
+                                 format=tarfile.USTAR_FORMAT)
         self.samples = 0
 
     def add(self, sample: ShardSample, jpegs: list[bytes]) -> None:
@@ -126,17 +128,22 @@ class ShardWriter:
         return self._hash.hexdigest(), size
 
     def abort(self) -> None:
-        self._file.close()
+        """Remove the partial tar; never raises over the error that caused the abort."""
+        try:
+            self._file.close()  # closes the descriptor even when flushing the buffer fails
+        except OSError:  # e.g. no space for the buffered bytes: they are being thrown away anyway
+            pass
         self.tmp.unlink(missing_ok=True)
 
 
 class _HashingWriter:
     """File wrapper that hashes what tarfile writes, so the sha256 costs no second read."""
 
-    def __init__(self, f, h):
-        self._f, self._h = f, h
+    def __init__(self, f, h, path: Path):
+        self._f, self._h, self._path = f, h, path
 
     def write(self, data: bytes) -> int:
+        faults.maybe_enospc(self._path)
         self._h.update(data)
         return self._f.write(data)
 

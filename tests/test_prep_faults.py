@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from prep.build import EXIT_LOCKED, BuildConfig, build
+from prep.build import EXIT_IO, EXIT_LOCKED, BuildConfig, build, cli
 from prep.faults import FAULT_ENV
 from prep.outdir import LOCK_FILE
 from prep.shards import ShardPaths, ShardWriter
@@ -276,3 +276,111 @@ def test_a_hanging_decoder_is_rejected_its_worker_replaced_and_the_other_videos_
         assert (r.frame_indices, r.answer, r.input_tokens) == (ref.frame_indices, ref.answer, ref.input_tokens)
     assert verify_shards(out, redecode=0).ok
     assert not multiprocessing.active_children()
+
+
+# ------------------------------------------------------------------------------------- OS errors
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs at tmp_path/disk (None where this process may not mount one)."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    got = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True,
+                         text=True, timeout=TIMEOUT)
+    if got.returncode != 0:
+        yield None
+        return
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=TIMEOUT)
+
+
+def one_error_line(capfd) -> str:
+    err = capfd.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("disk", ["tmpfs", "injected"])
+def test_a_full_disk_ends_in_one_line_and_the_same_command_then_gives_the_reference_shards(
+        disk, small_disk, synth_videos_dir, built_shards, tmp_path, monkeypatch, capfd):
+    if disk == "tmpfs":
+        if small_disk is None:
+            pytest.skip("cannot mount a tmpfs here (needs root); the 'injected' case fails a real write instead")
+        out = small_disk / "out"
+        filler = small_disk / "filler"
+        filler.write_bytes(b"\0" * (2 << 20))  # leaves room for shard 0 (1.2 MiB), not for shard 1 as well
+    else:
+        out = tmp_path / "out"
+        monkeypatch.setenv(FAULT_ENV, "enospc:shard-000001.tar")  # the write that would not fit fails
+    args = cli_args(synth_videos_dir, out)[4:]  # the flags of `python -m prep build`, run in this process
+    assert cli(args) == EXIT_IO
+    line = one_error_line(capfd)
+    assert re.fullmatch(rf"prep build: error: No space left on device \(ENOSPC\) at stage 'write shard' on "
+                        rf"{re.escape(str(out))}/shard-000001\.tar\.\d+-[0-9a-f]+\.tmp; fix that \(free space, "
+                        rf"permissions, a writable mount\) and rerun the same command: the build resumes", line), line
+    assert not list(out.glob("*.tmp")) and not (out / "build.json").exists()
+    assert (out / "shard-000000.stats.json").is_file() and not (out / "shard-000001.stats.json").exists()
+
+    if disk == "tmpfs":
+        filler.unlink()  # the cause is gone
+    else:
+        monkeypatch.delenv(FAULT_ENV)
+    assert cli(args) == 0
+    capfd.readouterr()
+    summary = json.loads((out / "build.json").read_text())["summary"]
+    assert (summary["shards_built"], summary["shards_skipped"], summary["samples"]) == (1, 1, 12)
+    assert shard_shas(out) == shard_shas(built_shards)
+    assert verify_shards(out, redecode=0).ok
+
+
+def test_a_read_only_or_unwritable_out_ends_in_one_line_and_resumes(small_disk, synth_videos_dir, built_shards,
+                                                                     tmp_path, capfd):
+    cases = 0
+    if small_disk is not None:  # EROFS: the filesystem holding a finished build turns read-only
+        out = small_disk / "out"
+        args = cli_args(synth_videos_dir, out)[4:]
+        assert cli(args) == 0
+        subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True, timeout=TIMEOUT)
+        capfd.readouterr()
+        assert cli(args + ["--overwrite"]) == EXIT_IO
+        assert one_error_line(capfd) == (
+            f"prep build: error: Read-only file system (EROFS) at stage 'lock' on {out / LOCK_FILE}; fix that "
+            f"(free space, permissions, a writable mount) and rerun the same command: the build resumes")
+        subprocess.run(["mount", "-o", "remount,rw", str(small_disk)], check=True, timeout=TIMEOUT)
+        assert cli(args + ["--overwrite"]) == 0
+        assert shard_shas(out) == shard_shas(built_shards)
+        cases += 1
+    # EACCES: --out inside a directory this user may not write (root loses CAP_DAC_OVERRIDE for the run)
+    parent = tmp_path / "readonly"
+    parent.mkdir()
+    parent.chmod(0o555)
+    out = parent / "out"
+    args = cli_args(synth_videos_dir, out)
+
+    def drop_dac_override() -> None:
+        if os.geteuid() == 0:
+            import ctypes
+
+            if ctypes.CDLL("libc.so.6", use_errno=True).prctl(24, 1, 0, 0, 0) != 0:  # PR_CAPBSET_DROP, CAP_DAC_OVERRIDE
+                raise OSError(ctypes.get_errno(), "cannot drop CAP_DAC_OVERRIDE")
+
+    try:
+        denied = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT,
+                                preexec_fn=drop_dac_override)
+    except subprocess.SubprocessError as e:
+        denied = None
+        assert cases, f"neither a read-only mount nor a permission-denied run is possible here: {e}"
+    if denied is not None:
+        assert denied.returncode == EXIT_IO, denied.stderr
+        assert denied.stderr.strip().splitlines() == [
+            f"prep build: error: Permission denied (EACCES) at stage 'lock' on {out}; fix that (free space, "
+            f"permissions, a writable mount) and rerun the same command: the build resumes"]
+        parent.chmod(0o755)
+        resumed = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT,
+                                 preexec_fn=drop_dac_override)
+        assert resumed.returncode == 0, resumed.stderr
+        assert shard_shas(out) == shard_shas(built_shards)
