@@ -181,6 +181,23 @@ def test_resume_skips_a_damaged_checkpoint_and_trains_the_same_samples_with_the_
     assert (run_b / "checkpoints" / "step000004" / "trainer_state_rank1.pt").exists()
 
 
+def test_kill_9_inside_a_checkpoint_save_resumes_from_the_previous_one(drop_run, five, cache, tmp_path):
+    """scripts/fault_matrix.py's training point against drop_run: rank 1 SIGKILLs itself in save 4 after
+    DeepSpeed's files, before its trainer state (so no checkpoint.json); the resume must skip step 4, start
+    at step 2 and end with drop_run's sample ids, losses and adapter."""
+    from scripts.fault_matrix import TRAIN_KILLS, train_point
+
+    proc, ref = drop_run
+    assert proc.returncode == 0, explain(proc)
+    kill = TRAIN_KILLS[0]
+    assert kill.kill_at == "checkpoint_state:4:1"
+    row = train_point(kill, shards=five, ref=ref, run=tmp_path / "run", cache=cache, logs=tmp_path / "logs",
+                      args=["--num-workers", "1", *DROP_ARGS])
+    assert row["killed_rc"] != 0 and row["resumed_from"] == "step000002" and row["skipped"] == ["step000004"], row
+    assert row["same_samples_and_losses"] and row["adapter_max_diff"] <= 1e-6 and row["ok"], row
+    assert (tmp_path / "run" / "checkpoints" / "step000004" / "checkpoint.json").exists()  # saved anew on resume
+
+
 def test_one_sample_on_two_ranks_fails_before_load(one, cache, tmp_path):
     proc = launch(_args(one, tmp_path / "run", cache))
     assert proc.returncode != 0
