@@ -58,6 +58,15 @@ class ShardError(RuntimeError):
         super().__init__(message)
         self.shard, self.member, self.sample_id = shard, member, sample_id
 
+    def __reduce__(self):
+        # Picklable with its fields, so it can leave a DataLoader worker as itself (the default reduce would
+        # call ShardError(message) without the keyword-only fields and fail).
+        return _shard_error, (type(self), str(self), self.shard, self.member, self.sample_id)
+
+
+def _shard_error(cls: type, message: str, shard: str, member: str, sample_id: str) -> ShardError:
+    return cls(message, shard=shard, member=member, sample_id=sample_id)
+
 
 @dataclasses.dataclass(frozen=True)
 class _Index:

@@ -375,11 +375,17 @@ def test_rank_loader_keeps_plan_order_with_workers(tiny_build, tok, ids):
         assert torch.equal(got[1][0][k], v), k
 
 
-def test_rank_loader_names_a_bad_sample(tiny_build, tok, ids):
+@pytest.mark.parametrize("workers", [0, 1])
+def test_rank_loader_names_a_bad_sample(tiny_build, tok, ids, workers):
+    """In the trainer's process and out of a loader worker alike, the error keeps its type and fields (the
+    DataLoader alone would turn a worker's exception into a RuntimeError around a traceback)."""
     root, written = tiny_build
     records = [dataclasses.replace(s.record) for s, _ in written.values()]
     store = SampleStore(root, records=records)
     # a store whose copy of the answer disagrees with the tokens: loading fails with the sample named
     store.records["vid/w0002"] = dataclasses.replace(store.records["vid/w0002"], answer="[[0.0, 0.5]]")
-    with pytest.raises(SampleError, match="vid/w0002"):
-        list(rank_loader(store, [MicroBatch(sample_ids=["vid/w0002"], repeat=[False])], SPEC, **ids, num_workers=0))
+    with pytest.raises(SampleError) as e:
+        list(rank_loader(store, [MicroBatch(sample_ids=["vid/w0002"], repeat=[False])], SPEC, **ids,
+                         num_workers=workers))
+    assert type(e.value) is SampleError and e.value.sample_id == "vid/w0002" and e.value.member.endswith(".json")
+    assert str(e.value).startswith("sample vid/w0002: ") and "Traceback" not in str(e.value)

@@ -198,6 +198,43 @@ def test_kill_9_inside_a_checkpoint_save_resumes_from_the_previous_one(drop_run,
     assert (tmp_path / "run" / "checkpoints" / "step000004" / "checkpoint.json").exists()  # saved anew on resume
 
 
+def _damaged(one: Path, tmp_path: Path, how: str):
+    """A copy of the one-sample build with its sample's frame damaged after the build: one byte flipped in
+    the middle of frame 2, or the tar cut in the middle of frame 1."""
+    from schemas.manifest import SampleRecord, read_records
+    from schemas.shard import ShardReader, frame_ext
+
+    shards = Path(shutil.copytree(one, tmp_path / "shards"))
+    (rec,) = read_records(shards / "manifest.parquet", SampleRecord)
+    member = f"{rec.key}.{frame_ext(2 if how == 'flip' else 1)}"
+    offset, size = ShardReader(shards).index(rec.shard)[member]
+    data = bytearray((shards / rec.shard).read_bytes())
+    if how == "flip":
+        data[offset + size // 2] ^= 0xFF  # inside the entropy-coded data: the JPEG still decodes
+    else:
+        del data[offset + size // 2:]
+    (shards / rec.shard).write_bytes(bytes(data))
+    return shards, rec, member
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+def test_damaged_shard_stops_the_trainer_before_any_step_naming_shard_member_and_sample(one, cache, tmp_path, how):
+    """Through a loader worker (--num-workers 1): one error line, exit 2, nothing trained."""
+    shards, rec, member = _damaged(one, tmp_path, how)
+    run = tmp_path / "run"
+    proc = launch(_args(shards, run, cache), nproc=0)
+    assert proc.returncode == 2, explain(proc)
+    why = "differs from the bytes written at build time" if how == "flip" else "is truncated"
+    line = f"error (ShardError, rank 0, phase data): sample {rec.sample_id}: {rec.shard}:{member} {why}"
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error (")]
+    assert len(errors) == 1 and errors[0].startswith(line), explain(proc)
+    assert "Traceback" not in proc.stderr, explain(proc)
+    assert events(run, 0, "load_done") and not steps(run, 0)  # the model loaded, no step was trained
+    (error,) = events(run, 0, "error")
+    assert error["kind"] == "ShardError" and error["phase"] == "data" and rec.sample_id in error["message"]
+    assert json.loads((run / "run.json").read_text())["status"] == "failed"
+
+
 def test_one_sample_on_two_ranks_fails_before_load(one, cache, tmp_path):
     proc = launch(_args(one, tmp_path / "run", cache))
     assert proc.returncode != 0

@@ -335,7 +335,13 @@ class MicroBatchDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.micro_batches)
 
-    def __getitem__(self, i: int) -> tuple[dict[str, torch.Tensor], BatchMeta]:
+    def __getitem__(self, i: int) -> "tuple[dict[str, torch.Tensor], BatchMeta] | LoadFailure":
+        try:
+            return self._load(i)
+        except (SampleError, PreflightError) as e:  # data problems leave the worker as data (see LoadFailure)
+            return LoadFailure(error=e)
+
+    def _load(self, i: int) -> tuple[dict[str, torch.Tensor], BatchMeta]:
         mb = self.micro_batches[i]
         samples = [self.store.get(sid) for sid in mb.sample_ids]
         pixels = []
@@ -346,6 +352,37 @@ class MicroBatchDataset(torch.utils.data.Dataset):
             pixels.append(px.to(self.pixel_dtype))
         return collate(samples, self.spec, video_token_id=self.video_token_id, pad_token_id=self.pad_token_id,
                        repeat=mb.repeat, pixels=pixels)
+
+
+@dataclasses.dataclass(kw_only=True)
+class LoadFailure:
+    """A micro-batch whose sample could not be read or fails pre-flight, carried out of the loader worker as
+    data: DataLoader would re-raise the worker's exception as a RuntimeError around a traceback, losing its
+    type and its shard, member and sample, and the trainer would crash instead of exiting with the message."""
+
+    error: Exception  # SampleError (ShardError) or PreflightError, picklable
+
+
+class PlanLoader:
+    """Iterates the DataLoader and raises a LoadFailure's error in the trainer's own process, as itself."""
+
+    def __init__(self, loader: torch.utils.data.DataLoader):
+        self.loader = loader
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        # iter(loader) now, not on the first next(): the DataLoader draws its worker seed from torch's RNG
+        # when its iterator is created, and the trainer creates it before restoring a checkpoint's RNG.
+        return _raise_failures(iter(self.loader))
+
+
+def _raise_failures(batches):
+    for item in batches:
+        if isinstance(item, LoadFailure):
+            raise item.error
+        yield item
 
 
 def rank_loader(
@@ -360,15 +397,17 @@ def rank_loader(
     prefetch_factor: int = 4,
     pin_memory: bool | None = None,
     pixel_dtype: torch.dtype = torch.float32,
-) -> torch.utils.data.DataLoader:
-    """DataLoader yielding (tensors, BatchMeta) for one rank's micro-batches, exactly in the given order,
-    prepared ahead by `num_workers` worker processes. With `tokenizer`, each sample's answer span is checked."""
+) -> PlanLoader:
+    """Loader yielding (tensors, BatchMeta) for one rank's micro-batches, exactly in the given order,
+    prepared ahead by `num_workers` worker processes. With `tokenizer`, each sample's answer span is checked.
+    A sample that cannot be read as the build wrote it (or fails pre-flight) raises its own error, naming
+    shard, member and sample, when its micro-batch is next: before it reaches the model."""
     store.index_for([sid for mb in micro_batches for sid in mb.sample_ids])
     dataset = MicroBatchDataset(store, micro_batches, spec, video_token_id=video_token_id, pad_token_id=pad_token_id,
                                 tokenizer=tokenizer, pixel_dtype=pixel_dtype)
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
-    return torch.utils.data.DataLoader(
+    return PlanLoader(torch.utils.data.DataLoader(
         dataset,
         batch_size=None,  # items are already micro-batches
         shuffle=False,
@@ -377,4 +416,4 @@ def rank_loader(
         pin_memory=pin_memory,
         persistent_workers=False,
         in_order=True,
-    )
+    ))
