@@ -209,7 +209,8 @@ def test_store_refuses_a_manifest_from_another_build(tiny_build):
 def test_prep_build_through_plan_loader_and_ledger(built_shards, tok, ids, tmp_path):
     """A real `python -m prep build` output: every sample loads, passes pre-flight with the tokenizer, and
     two ranks' loaders consume the plan exactly once (the ledger proves it)."""
-    from train.plan import PlanConfig, append_ledger, check_ledger, global_steps, plan_run
+    from train.ledger import append_ledger, check_ledger
+    from train.plan import PlanConfig, global_steps, plan_run
 
     store = SampleStore(built_shards)
     records = list(store.records.values())

@@ -8,17 +8,15 @@ import pytest
 
 from schemas import SampleRecord
 from tests.records import v2_fields
+from train.ledger import append_ledger, check_ledger, truncate_ledger
 from train.plan import (
     MicroBatch,
     PlanConfig,
     PlanError,
-    append_ledger,
-    check_ledger,
     global_steps,
     locate,
     plan_epoch,
     plan_run,
-    truncate_ledger,
 )
 
 

@@ -96,7 +96,7 @@ def test_supervised_only_loss_equals_model_loss(tiny_cache, built_shards, family
     """The loss from logits at supervised positions only is the model's own full-logits loss."""
     from transformers import AutoModelForImageTextToText
 
-    from train.main import causal_lm_loss
+    from train.loss import causal_lm_loss
 
     model_dir = tiny_cache / f"tiny_{family}"
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -154,18 +154,69 @@ def test_load_check_names_a_renamed_key(tiny_cache, tmp_path):
 
 
 def test_memory_helper_and_simulated_oom(tmp_path, monkeypatch):
-    from train.memory import FAIL_ENV, PhaseMemory, all_ranks_memory, maybe_fail, peak_memory
+    from train.memory import FAIL_ENV, PhaseTracker, all_ranks_memory, maybe_fail, peak_memory
 
     stat = peak_memory()
     assert stat.kind in ("cuda", "cpu_rss") and stat.alloc_gib > 0 and stat.reserved_gib >= stat.alloc_gib * 0.5
-    mem = PhaseMemory(tmp_path, rank=1)
-    mem.record("load")
-    assert all_ranks_memory(tmp_path)[0]["phase"] == "load"
+    tracker = PhaseTracker(tmp_path, rank=1)
+    with tracker.phase("load", 0):
+        pass
+    assert all_ranks_memory(tmp_path)[0]["phase"] == "load" and tracker.latest is not None
     monkeypatch.setenv(FAIL_ENV, "backward:3:1")
     maybe_fail("backward", 3, 0)  # other rank: nothing
     maybe_fail("forward", 3, 1)  # other phase: nothing
     with pytest.raises(torch.OutOfMemoryError):
         maybe_fail("backward", 3, 1)
+    with pytest.raises(torch.OutOfMemoryError):  # the tracker's phase is where the hook fires
+        with tracker.phase("backward", 3):
+            raise AssertionError("the simulated OOM comes before the phase's body")
+    assert tracker.current == "backward"
+
+
+def test_phase_tracker_writes_the_memory_file_once_per_step(tmp_path, monkeypatch):
+    from train import memory
+
+    tracker = memory.PhaseTracker(tmp_path, rank=0)
+    stats = iter([memory.MemStat(a, a + 1, "cpu_rss") for a in (1.0, 5.0, 2.0, 3.0, 1.0, 4.0)])
+    monkeypatch.setattr(memory, "peak_memory", lambda reset=True: next(stats))
+    writes = []
+    real_write = tracker._write
+    monkeypatch.setattr(tracker, "_write", lambda *a: (writes.append(a[:2]), real_write(*a)))
+    tracker.begin_step(7)
+    for _ in range(3):  # three micro-batches
+        with tracker.phase("forward", 7):
+            pass
+        with tracker.phase("backward", 7):
+            pass
+    assert writes == []  # nothing written during the step
+    peaks = tracker.end_step()
+    assert writes == [("backward", 7)]
+    assert peaks == {"forward": {"alloc_gib": 2.0, "reserved_gib": 3.0, "kind": "cpu_rss"},
+                     "backward": {"alloc_gib": 5.0, "reserved_gib": 6.0, "kind": "cpu_rss"}}
+    assert memory.all_ranks_memory(tmp_path)[0]["phases"]["backward"]["alloc_gib"] == 5.0
+
+
+def test_deepspeed_file_with_a_flag_it_overrides_is_an_error_naming_both(built_shards, tmp_path):
+    from train.config import parse_config, resolved
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}))
+    base = ["--shards", str(built_shards), "--output-dir", str(tmp_path / "run"), "--deepspeed", str(ds)]
+    with pytest.raises(ConfigError) as e:
+        parse_config(base + ["--zero-stage", "3", "--offload-optimizer", "--offload-params", "--prefetch-bucket-size", "1e7"])
+    msg = str(e.value)
+    assert f"--zero-stage 3 but --deepspeed {ds} has zero_optimization.stage = 2" in msg
+    assert f"--offload-optimizer is set but --deepspeed {ds} has zero_optimization.offload_optimizer = None" in msg
+    assert f"--offload-params is set but --deepspeed {ds} has zero_optimization.offload_param = None" in msg
+    assert f"--prefetch-bucket-size 1e+07 but --deepspeed {ds} has no zero_optimization.stage3_prefetch_bucket_size" in msg
+    # a flag the file asks for ("auto"), or one that agrees with it, is fine; the file's stage is the run's
+    cfg = parse_config(base + ["--zero-stage", "2", "--reduce-bucket-size", "2e6"])
+    ds_config = resolve_deepspeed_config(cfg, world_size=1, total_steps=4)
+    got = resolved(cfg, ds_config)
+    assert (got.zero_stage, got.reduce_bucket_size, got.offload_optimizer) == (2, 2e6, False)
+    plain = parse_config(base)  # no stage flag: the file's 2, not the default 3, is what run.json records
+    assert resolved(plain, resolve_deepspeed_config(plain, 1, 4)).zero_stage == 2
+    assert resolved(plain, resolve_deepspeed_config(plain, 1, 4)).to_json()["zero_stage"] == 2
 
 
 def test_run_record_fields(built_shards, tmp_path):

@@ -109,13 +109,14 @@ def _base_key(name: str) -> str:
     return name.removeprefix("base_model.model.")
 
 
-def save_full(engine, model, run_dir: Path, *, rank: int, tokenizer, base_dir: Path, dtype=torch.bfloat16) -> Path:
+def save_full(engine, model, run_dir: Path, *, rank: int, tokenizer, base_dir: Path, zero_stage: int,
+              dtype=torch.bfloat16) -> Path:
     """16-bit weights of a full fine-tune, loadable with from_pretrained, and the tokenizer and processor
     files, loadable with AutoProcessor (all ranks call; rank 0 writes)."""
     from train.models import save_processor
 
     out = Path(run_dir) / MODEL_DIR
-    if engine.zero_optimization_partition_weights():
+    if zero_stage == 3:  # the run's one resolved stage (train.config.resolve_deepspeed_config)
         state = engine._zero3_consolidated_16bit_state_dict()  # gathered layer by layer onto rank 0
     else:
         state = model.state_dict() if rank == 0 else None
@@ -346,7 +347,7 @@ def load_checkpoint(engine, choice: CheckpointChoice, *, rank: int, world_size: 
 def carry_ledger(resume_dir: Path, run_dir: Path, rank: int, before_step: int) -> int:
     """A resumed run continues the ledger: keep the lines of steps < before_step (in place, or copied to a
     new run directory). Returns the lines kept."""
-    from train.plan import ledger_path, truncate_ledger
+    from train.ledger import ledger_path, truncate_ledger
 
     src, dst = ledger_path(resume_dir, rank), ledger_path(run_dir, rank)
     if Path(resume_dir).resolve() == Path(run_dir).resolve():

@@ -27,6 +27,16 @@ DEFAULT_LORA_TARGETS = (
 )
 
 
+# The flags that shape the DeepSpeed config, their values when not given, and where each lives in
+# zero_optimization. With --deepspeed FILE the file decides them: a flag given with a file that sets the
+# same key otherwise (or not at all, so DeepSpeed's own default would apply) is an error naming both.
+ZERO_DEFAULTS = {"zero_stage": 3, "reduce_bucket_size": 5e6, "prefetch_bucket_size": 5e6, "param_persistence_threshold": 1e4}
+ZERO_KEYS = {"zero_stage": "stage", "reduce_bucket_size": "reduce_bucket_size",
+             "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+             "param_persistence_threshold": "stage3_param_persistence_threshold",
+             "offload_optimizer": "offload_optimizer", "offload_params": "offload_param"}
+
+
 class ConfigError(ValueError):
     """The command line asks for something impossible; the message lists every problem."""
 
@@ -61,10 +71,10 @@ class TrainConfig:
     unfreeze_vision: bool = False  # train the vision tower (blocks and patch embedding)
     unfreeze_merger: bool = False  # train the vision-to-language merger
     deepspeed: Path | None = None  # DeepSpeed JSON; "auto" values are filled from this config
-    zero_stage: int = 3  # ZeRO stage of the default config (ignored when --deepspeed names a stage)
-    reduce_bucket_size: float = 5e6  # default config: reduce_bucket_size (Video-ORA used 5e6)
-    prefetch_bucket_size: float = 5e6  # default config: stage3_prefetch_bucket_size
-    param_persistence_threshold: float = 1e4  # default config: stage3_param_persistence_threshold
+    zero_stage: int | None = None  # ZeRO stage (None: 3 in the default config, "auto" in a --deepspeed file)
+    reduce_bucket_size: float | None = None  # reduce_bucket_size (None: 5e6, what Video-ORA used)
+    prefetch_bucket_size: float | None = None  # stage3_prefetch_bucket_size (None: 5e6)
+    param_persistence_threshold: float | None = None  # stage3_param_persistence_threshold (None: 1e4)
     offload_optimizer: bool = False  # ZeRO optimizer state on CPU
     offload_params: bool = False  # ZeRO-3 parameters on CPU
     gradient_checkpointing: bool = True
@@ -82,6 +92,11 @@ class TrainConfig:
     @property
     def lora(self) -> bool:
         return self.finetune == "lora"
+
+    def zero(self, name: str) -> float:
+        """A ZeRO flag's value, its default when not given."""
+        value = getattr(self, name)
+        return ZERO_DEFAULTS[name] if value is None else value
 
     def to_json(self) -> dict:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self).items()}
@@ -131,21 +146,21 @@ class TrainConfig:
             re.compile(self.lora_targets)
         except re.error as e:
             p.append(f"--lora-targets is not a valid regex: {e}")
-        if self.zero_stage not in ZERO_STAGES:
+        if self.zero_stage is not None and self.zero_stage not in ZERO_STAGES:
             p.append(f"--zero-stage {self.zero_stage}: choose one of {ZERO_STAGES}")
-        if self.offload_params and self.zero_stage != 3 and self.deepspeed is None:
+        if self.offload_params and self.zero("zero_stage") != 3 and self.deepspeed is None:
             p.append("--offload-params needs ZeRO stage 3")
-        if self.offload_optimizer and self.zero_stage == 0 and self.deepspeed is None:
+        if self.offload_optimizer and self.zero("zero_stage") == 0 and self.deepspeed is None:
             p.append("--offload-optimizer needs ZeRO stage >= 1")
         for name in ("reduce_bucket_size", "prefetch_bucket_size"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 p.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.deepspeed is not None:
             if not self.deepspeed.is_file():
                 p.append(f"--deepspeed {self.deepspeed}: no such file")
             else:
                 try:
-                    json.loads(self.deepspeed.read_text())
+                    p += deepspeed_conflicts(self, json.loads(self.deepspeed.read_text()))
                 except json.JSONDecodeError as e:
                     p.append(f"--deepspeed {self.deepspeed}: not valid JSON ({e})")
         if self.resume is not None and not (self.resume / "checkpoints").is_dir():
@@ -220,14 +235,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--deepspeed", type=Path, default=None,
                    help="DeepSpeed JSON config; 'auto' values are filled from these flags. Default: the original "
                    "Video-ORA config (ZeRO-3, 5e6 buckets, no offload) with the stage/bucket/offload flags below")
-    g.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, default=d.zero_stage, help="ZeRO stage of the default config")
-    g.add_argument("--reduce-bucket-size", type=float, default=d.reduce_bucket_size, help="default config: reduce_bucket_size")
-    g.add_argument("--prefetch-bucket-size", type=float, default=d.prefetch_bucket_size,
-                   help="default config: stage3_prefetch_bucket_size")
-    g.add_argument("--param-persistence-threshold", type=float, default=d.param_persistence_threshold,
-                   help="default config: stage3_param_persistence_threshold")
-    g.add_argument("--offload-optimizer", action="store_true", help="keep optimizer state on CPU (ZeRO >= 1)")
-    g.add_argument("--offload-params", action="store_true", help="keep parameters on CPU (ZeRO-3)")
+    with_file = " (with --deepspeed: only where the file says \"auto\"; a file that sets it otherwise is an error)"
+    g.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, default=None,
+                   help="ZeRO stage (default 3)" + with_file)
+    g.add_argument("--reduce-bucket-size", type=float, default=None, help="reduce_bucket_size (default 5e6)" + with_file)
+    g.add_argument("--prefetch-bucket-size", type=float, default=None,
+                   help="stage3_prefetch_bucket_size (default 5e6)" + with_file)
+    g.add_argument("--param-persistence-threshold", type=float, default=None,
+                   help="stage3_param_persistence_threshold (default 1e4)" + with_file)
+    g.add_argument("--offload-optimizer", action="store_true",
+                   help="keep optimizer state on CPU (ZeRO >= 1; with --deepspeed the file must say so too)")
+    g.add_argument("--offload-params", action="store_true",
+                   help="keep parameters on CPU (ZeRO-3; with --deepspeed the file must say so too)")
     g.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=d.gradient_checkpointing,
                    help="recompute activations in backward (saves memory)")
     g = ap.add_argument_group("run")
@@ -257,11 +276,11 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
 def default_deepspeed_config(cfg: TrainConfig) -> dict:
     """The original Video-ORA config (ZeRO-3, 5e6 buckets, no offload), with stage, buckets and offload
     taken from the flags. "auto" values are filled by `resolve_deepspeed_config`."""
-    zero: dict = {"stage": cfg.zero_stage, "overlap_comm": False, "contiguous_gradients": True,
-                  "reduce_bucket_size": cfg.reduce_bucket_size}
-    if cfg.zero_stage == 3:
-        zero.update({"stage3_prefetch_bucket_size": cfg.prefetch_bucket_size,
-                     "stage3_param_persistence_threshold": cfg.param_persistence_threshold,
+    zero: dict = {"stage": cfg.zero("zero_stage"), "overlap_comm": False, "contiguous_gradients": True,
+                  "reduce_bucket_size": cfg.zero("reduce_bucket_size")}
+    if cfg.zero("zero_stage") == 3:
+        zero.update({"stage3_prefetch_bucket_size": cfg.zero("prefetch_bucket_size"),
+                     "stage3_param_persistence_threshold": cfg.zero("param_persistence_threshold"),
                      "stage3_max_live_parameters": 1e8, "stage3_max_reuse_distance": 1e8,
                      "stage3_gather_16bit_weights_on_model_save": True})
     if cfg.offload_optimizer:
@@ -304,10 +323,10 @@ def resolve_deepspeed_config(cfg: TrainConfig, world_size: int, total_steps: int
         ("optimizer", "params", "weight_decay"): cfg.weight_decay,
         ("optimizer", "params", "betas"): [0.9, 0.999],
         ("optimizer", "params", "eps"): 1e-8,
-        ("zero_optimization", "stage"): cfg.zero_stage,
-        ("zero_optimization", "reduce_bucket_size"): cfg.reduce_bucket_size,
-        ("zero_optimization", "stage3_prefetch_bucket_size"): cfg.prefetch_bucket_size,
-        ("zero_optimization", "stage3_param_persistence_threshold"): cfg.param_persistence_threshold,
+        ("zero_optimization", "stage"): cfg.zero("zero_stage"),
+        ("zero_optimization", "reduce_bucket_size"): cfg.zero("reduce_bucket_size"),
+        ("zero_optimization", "stage3_prefetch_bucket_size"): cfg.zero("prefetch_bucket_size"),
+        ("zero_optimization", "stage3_param_persistence_threshold"): cfg.zero("param_persistence_threshold"),
         ("scheduler", "params", "warmup_num_steps"): warmup,
         ("scheduler", "params", "total_num_steps"): total_steps,
         ("scheduler", "params", "warmup_max_lr"): cfg.lr,
@@ -347,6 +366,42 @@ def _autos(node, path=()):
 
 def zero_stage(ds: dict) -> int:
     return int((ds.get("zero_optimization") or {}).get("stage", 0))
+
+
+def _offloaded(section) -> bool:
+    return isinstance(section, dict) and section.get("device", "none") not in ("none", None)
+
+
+def deepspeed_conflicts(cfg: TrainConfig, ds: dict) -> list[str]:
+    """Flags given together with --deepspeed FILE that the file overrides, each naming both settings."""
+    zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
+    where = f"--deepspeed {cfg.deepspeed}"
+    problems = []
+    for name, key in ZERO_KEYS.items():
+        flag = f"--{name.replace('_', '-')}"
+        given = getattr(cfg, name)
+        if name.startswith("offload"):
+            if given and not _offloaded(zero.get(key)):
+                problems.append(f"{flag} is set but {where} has zero_optimization.{key} = {zero.get(key)!r}: the file "
+                                f"decides, so the flag would be ignored. Put the offload in the file or drop {flag}")
+            continue
+        if given is None or zero.get(key) == "auto" or zero.get(key) == given:
+            continue
+        has = f"zero_optimization.{key} = {zero[key]!r}" if key in zero else \
+            f"no zero_optimization.{key} (DeepSpeed's default would apply)"
+        problems.append(f"{flag} {given:g} but {where} has {has}: the file decides, so the flag would be ignored. "
+                        f"Drop {flag}, or write \"auto\" there to take it from the flag")
+    return problems
+
+
+def resolved(cfg: TrainConfig, ds: dict) -> TrainConfig:
+    """cfg with the ZeRO settings the DeepSpeed config actually has: the one stage the engine, the saver
+    and run.json all use."""
+    zero = ds.get("zero_optimization") or {}
+    values = {name: zero.get(key) for name, key in ZERO_KEYS.items() if not name.startswith("offload")}
+    values["zero_stage"] = zero_stage(ds)
+    return dataclasses.replace(cfg, **values, offload_optimizer=_offloaded(zero.get("offload_optimizer")),
+                               offload_params=_offloaded(zero.get("offload_param")))
 
 
 def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:

@@ -9,7 +9,10 @@
 `Recipe.setup()` runs in an order that matters: validate -> plan every epoch (so a bad world size or tail
 fails before any weight loads) -> pre-flight the manifest -> load the model partitioned (ZeRO-3) ->
 verify the load -> LoRA/full -> DeepSpeed engine (optimizer, scheduler) -> resume state -> data loader.
-`train()` is the whole loop. Exit codes: 0 done, 2 a config/plan/data/load problem (message says what),
+`train()` is the whole loop: per micro-batch data -> forward (train/loss.py) -> backward -> optimizer step,
+each inside `PhaseTracker.phase` (train/memory.py: the phase an error names, the fault hooks, the memory);
+per step the ledger line (train/ledger.py) and one log line. `steps_done` counts finished optimizer steps,
+the loop's `step` is the one running. Exit codes: 0 done, 2 a config/plan/data/load problem (message says what),
 3 out of memory (report in RUN/oom_rank{r}.json).
 """
 from __future__ import annotations
@@ -22,7 +25,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from schemas.build import BuildRecord
 from schemas.manifest import SchemaError
@@ -44,11 +46,10 @@ from train.config import (
     lr_factor,
     parse_config,
     resolve_deepspeed_config,
+    resolved,
     warmup_steps,
-    zero_stage,
 )
 from train.data import (
-    IGNORE_INDEX,
     PreflightError,
     SampleError,
     SampleStore,
@@ -58,9 +59,11 @@ from train.data import (
 )
 from train.jsonlog import RunLog
 from train.load_check import LoadError, check_load, verify_values
-from train.memory import PhaseMemory, all_ranks_memory, device_info, maybe_fail, summary_table
+from train.memory import PhaseTracker, all_ranks_memory, device_info, summary_table
 from train.models import detect_family, ensure_tiny_model
-from train.plan import PlanConfig, PlanError, append_ledger, check_ledger, global_steps, plan_run, total_steps
+from train.ledger import append_ledger, check_ledger
+from train.loss import causal_lm_loss
+from train.plan import PlanConfig, PlanError, global_steps, plan_run, total_steps
 from train.run_record import build_run_record, update_run_record, write_json
 
 EXIT_USAGE = 2
@@ -98,13 +101,18 @@ class Recipe:
         self.cfg = cfg
         self.run_dir = cfg.output_dir
         self.rank, self.world_size, self.local_rank = 0, 1, 0
-        self.global_step = 0  # optimizer steps completed
-        self.start_step = 0  # where this process starts (resume)
-        self.phase = "setup"
+        self.steps_done = 0  # optimizer steps completed: also the index of the step that runs next
+        self.start_step = 0  # the first step this process runs (> 0 when resumed)
         self.current_meta = None  # BatchMeta of the micro-batch in flight (OOM report)
         self._hf_ds_config = None  # must outlive from_pretrained: transformers holds it by weak reference
         self._resume_rng = None
         self._last_losses: list[float] = []
+
+    @property
+    def phase(self) -> str:
+        """The phase this rank is in (or last finished): what an error report names."""
+        tracker = getattr(self, "tracker", None)
+        return tracker.current if tracker is not None else "setup"
 
     # ------------------------------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -115,7 +123,7 @@ class Recipe:
         self.device = torch.device(get_accelerator().current_device_name())
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log = RunLog(self.run_dir, self.rank)
-        self.memory = PhaseMemory(self.run_dir, self.rank)
+        self.tracker = PhaseTracker(self.run_dir, self.rank)  # phase, fault hook and memory of this rank
         self.log.event("start", argv=sys.argv, world_size=self.world_size, device=str(self.device))
 
         # 1. Plan every epoch from the manifest, before anything heavy: a world size that leaves a rank
@@ -162,7 +170,10 @@ class Recipe:
 
         # 4. DeepSpeed config as used, and the run record (before the load, so a crash still leaves it).
         self.ds_config = resolve_deepspeed_config(cfg, self.world_size, self.total_steps)
-        self.zero_stage = zero_stage(self.ds_config)
+        # From here on cfg holds the ZeRO settings the DeepSpeed config really has (a --deepspeed file decides
+        # them): one stage for the load, the engine, the saver and run.json.
+        self.cfg = cfg = resolved(cfg, self.ds_config)
+        self.zero_stage = cfg.zero_stage
         if self.rank == 0:
             record = build_run_record(
                 config=cfg.to_json(), ds_config=self.ds_config, shards=cfg.shards, world_size=self.world_size,
@@ -184,7 +195,7 @@ class Recipe:
             choice = self.resume_from
             state = load_checkpoint(self.engine, choice, rank=self.rank, world_size=self.world_size,
                                     plan_sha256=self.plan_sha256)
-            self.start_step = self.global_step = state.global_step
+            self.start_step = self.steps_done = state.global_step
             self._resume_rng = state.rng
             kept = carry_ledger(cfg.resume, self.run_dir, self.rank, self.start_step)
             self.log.event("resume", from_dir=str(cfg.resume), checkpoint=choice.tag, skipped=choice.skipped,
@@ -227,31 +238,31 @@ class Recipe:
         from transformers import AutoModelForImageTextToText
         from transformers.integrations import HfDeepSpeedConfig
 
-        self.phase = "load"
         self.log.event("load_start", model_dir=str(self.model_dir), family=self.family, zero_stage=self.zero_stage)
         t0 = time.time()
         if self.zero_stage == 3:
             # Kept alive on self: with it, from_pretrained builds the model inside deepspeed.zero.Init and
             # each rank only ever holds its partition.
             self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
-        maybe_fail("load", 0, self.rank)
-        model, info = AutoModelForImageTextToText.from_pretrained(self.model_dir, dtype=self.dtype,
-                                                                   output_loading_info=True)
-        model.config.use_cache = False
-        # transformers' ZeRO-3 loader keeps every key conversion, used or not, and save_pretrained reverses
-        # them all: for Qwen3.5 that writes `model.language_model.model.language_model.*`. Keep only the
-        # conversions that matched a checkpoint key, as the ordinary loader does.
-        conversions = getattr(model, "_weight_conversions", None)
-        if conversions:
-            model._weight_conversions = [c for c in conversions if c.was_used()]
-        report, entries = check_load(model, self.model_dir, info)
-        self.log.say(report.message())
-        verified = None
-        if self.cfg.verify_load:
-            verified = verify_values(model, self.model_dir, report, entries, rank=self.rank, world_size=self.world_size)
-            total = len(report.mapping) + len(report.tied)
-            self.log.say(f"{verified}/{total} checkpoint entries verified")
-        mem = self.memory.record("load")
+        with self.tracker.phase("load", 0):
+            model, info = AutoModelForImageTextToText.from_pretrained(self.model_dir, dtype=self.dtype,
+                                                                       output_loading_info=True)
+            model.config.use_cache = False
+            # transformers' ZeRO-3 loader keeps every key conversion, used or not, and save_pretrained reverses
+            # them all: for Qwen3.5 that writes `model.language_model.model.language_model.*`. Keep only the
+            # conversions that matched a checkpoint key, as the ordinary loader does.
+            conversions = getattr(model, "_weight_conversions", None)
+            if conversions:
+                model._weight_conversions = [c for c in conversions if c.was_used()]
+            report, entries = check_load(model, self.model_dir, info)
+            self.log.say(report.message())
+            verified = None
+            if self.cfg.verify_load:
+                verified = verify_values(model, self.model_dir, report, entries, rank=self.rank,
+                                         world_size=self.world_size)
+                total = len(report.mapping) + len(report.tied)
+                self.log.say(f"{verified}/{total} checkpoint entries verified")
+        mem = self.tracker.latest
         self.log.event("load_done", seconds=round(time.time() - t0, 2), checkpoint_entries=report.entries,
                        prefix_changes=report.prefix_changes, tied=report.tied, partitioned=report.partitioned,
                        verified=verified, peak_alloc_gib=mem.alloc_gib, peak_reserved_gib=mem.reserved_gib,
@@ -313,6 +324,9 @@ class Recipe:
             optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         engine, _, _, _ = deepspeed.initialize(model=self.model, model_parameters=params, optimizer=optimizer,
                                                lr_scheduler=scheduler, config=self.ds_config)
+        if engine.zero_optimization_stage() != self.zero_stage:
+            raise RuntimeError(f"DeepSpeed runs ZeRO stage {engine.zero_optimization_stage()}, the resolved config "
+                               f"says {self.zero_stage}")
         return engine
 
     # ------------------------------------------------------------------------------------------ train
@@ -331,43 +345,35 @@ class Recipe:
                    desc="train", unit="step", dynamic_ncols=True)
         self.log.bar = bar if self.rank == 0 else None
         engine.train()
-        for global_step, epoch, _, accum in self.steps:
+        for step, epoch, _, accum in self.steps:  # `step` is running; self.steps_done counts finished ones
             t0 = time.time()
             losses, metas = [], []
-            step_mem: dict[str, dict] = {}
             lr = engine.optimizer.param_groups[0]["lr"]
+            self.tracker.begin_step(step)
             for planned in accum:
-                self.phase = "data"
-                tensors, meta = next(batches)
+                with self.tracker.phase("data", step):
+                    tensors, meta = next(batches)
                 if meta.sample_ids != planned.sample_ids:  # the loader must follow the plan, or the ledger lies
                     raise RuntimeError(f"loader yielded {meta.sample_ids}, plan says {planned.sample_ids}")
                 self.current_meta = meta
                 metas.append(meta)
                 tensors = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
-
-                self.phase = "first_forward" if global_step == self.start_step and not losses else "forward"
-                maybe_fail(self.phase, global_step, self.rank)
-                loss = self.forward_loss(tensors)
-                self._note_memory(step_mem, global_step)
-
-                self.phase = "backward"
-                maybe_fail(self.phase, global_step, self.rank)
-                engine.backward(loss)
-                self._note_memory(step_mem, global_step)
-
-                self.phase = "optimizer_step"
-                maybe_fail(self.phase, global_step, self.rank)
-                engine.step()  # DeepSpeed steps the optimizer (and clips) only at the accumulation boundary
-                self._note_memory(step_mem, global_step)
+                with self.tracker.phase("first_forward" if step == self.start_step and not losses else "forward", step):
+                    loss = self.forward_loss(tensors)
+                with self.tracker.phase("backward", step):
+                    engine.backward(loss)
+                with self.tracker.phase("optimizer_step", step):
+                    engine.step()  # DeepSpeed steps the optimizer (and clips) only at the accumulation boundary
                 losses.append(loss.detach().float().item())
-            self.global_step = global_step + 1
+            step_mem = self.tracker.end_step()  # per-phase peaks of this step; the memory file written once
+            self.steps_done = step + 1
             self.current_meta = None
-            append_ledger(self.run_dir, global_step, self.rank, accum)
+            append_ledger(self.run_dir, step, self.rank, accum)
             seconds = time.time() - t0
             tokens = sum(sum(m.input_tokens) for m in metas)
             grad_norm = engine.get_global_grad_norm()
             rec = self.log.step(
-                step=global_step, epoch=epoch, sample_ids=[s for m in metas for s in m.sample_ids],
+                step=step, epoch=epoch, sample_ids=[s for m in metas for s in m.sample_ids],
                 repeat=[r for m in metas for r in m.repeat], input_tokens=tokens,
                 visual_tokens=sum(sum(m.visual_tokens) for m in metas),
                 supervised_tokens=sum(sum(m.supervised_tokens) for m in metas),
@@ -379,26 +385,17 @@ class Recipe:
                 memory_kind=next(iter(step_mem.values()))["kind"], phase_memory=step_mem, phase="train")
             self._last_losses.append(rec["loss"])
             bar.update(1)
-            if self.rank == 0 and (global_step % cfg.log_every == 0 or global_step + 1 == self.total_steps):
+            if self.rank == 0 and (step % cfg.log_every == 0 or self.steps_done == self.total_steps):
                 self.log.say(json.dumps({k: rec[k] for k in rec if k not in ("event", "time", "phase_memory")}))
             if lora_before is not None:
                 self._lora_sanity(lora_before)
                 lora_before = None
-            if cfg.save_every and self.global_step % cfg.save_every == 0 and self.global_step < self.total_steps:
+            if cfg.save_every and self.steps_done % cfg.save_every == 0 and self.steps_done < self.total_steps:
                 self.save_checkpoint()
-            if global_step == epoch_last[epoch]:
+            if step == epoch_last[epoch]:
                 self._check_epoch(epoch)
         bar.close()
         self.log.bar = None
-
-    def _note_memory(self, step_mem: dict[str, dict], step: int) -> None:
-        """Peak of the phase just finished (this rank), kept as the max over the step's micro-batches."""
-        stat = _mem_json(self.memory.record(self.phase, step))
-        old = step_mem.get(self.phase)
-        if old is not None:
-            stat = {**stat, "alloc_gib": max(stat["alloc_gib"], old["alloc_gib"]),
-                    "reserved_gib": max(stat["reserved_gib"], old["reserved_gib"])}
-        step_mem[self.phase] = stat
 
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return causal_lm_loss(self.engine, batch, full_logits=self.cfg.full_logits)
@@ -433,26 +430,24 @@ class Recipe:
 
     # ------------------------------------------------------------------------------------------ save
     def save_checkpoint(self) -> None:
-        self.phase = "save"
-        path = save_checkpoint(self.engine, self.run_dir, global_step=self.global_step, plan_sha256=self.plan_sha256,
-                               rank=self.rank, world_size=self.world_size)
-        mem = self.memory.record("save", self.global_step)
-        self.log.event("checkpoint", global_step=self.global_step, path=str(path), peak_alloc_gib=mem.alloc_gib,
+        with self.tracker.phase("save", self.steps_done):
+            path = save_checkpoint(self.engine, self.run_dir, global_step=self.steps_done, plan_sha256=self.plan_sha256,
+                                   rank=self.rank, world_size=self.world_size)
+        mem = self.tracker.latest
+        self.log.event("checkpoint", global_step=self.steps_done, path=str(path), peak_alloc_gib=mem.alloc_gib,
                        peak_reserved_gib=mem.reserved_gib)
         self.log.say(f"checkpoint saved: {path}")
 
     def save_final(self) -> Path:
-        self.phase = "save"
-        maybe_fail("save", self.global_step, self.rank)
-        if self.cfg.lora:
-            out = save_adapter(self.engine.module, self.run_dir, rank=self.rank, tokenizer=self.tokenizer,
-                               base_dir=self.model_dir)
-        else:
-            out = save_full(self.engine, self.engine.module, self.run_dir, rank=self.rank, tokenizer=self.tokenizer,
-                            base_dir=self.model_dir,
-                            dtype=self.dtype)
-        torch.distributed.barrier()
-        mem = self.memory.record("save", self.global_step)
+        with self.tracker.phase("save", self.steps_done):
+            if self.cfg.lora:
+                out = save_adapter(self.engine.module, self.run_dir, rank=self.rank, tokenizer=self.tokenizer,
+                                   base_dir=self.model_dir)
+            else:
+                out = save_full(self.engine, self.engine.module, self.run_dir, rank=self.rank, tokenizer=self.tokenizer,
+                                base_dir=self.model_dir, zero_stage=self.zero_stage, dtype=self.dtype)
+            torch.distributed.barrier()
+        mem = self.tracker.latest
         self.log.event("saved", path=str(out), finetune=self.cfg.finetune, peak_alloc_gib=mem.alloc_gib,
                        peak_reserved_gib=mem.reserved_gib)
         self.log.say(f"saved {self.cfg.finetune} weights: {out}")
@@ -460,14 +455,14 @@ class Recipe:
 
     def summarize(self, saved: Path) -> None:
         rows: list = [None] * self.world_size
-        torch.distributed.all_gather_object(rows, self.memory.table_rows())
+        torch.distributed.all_gather_object(rows, self.tracker.table_rows())
         if self.rank == 0:
             table = summary_table(rows)
             self.log.say(table)
-            update_run_record(self.run_dir / "run.json", status="completed", steps_completed=self.global_step,
+            update_run_record(self.run_dir / "run.json", status="completed", steps_completed=self.steps_done,
                               final_losses_rank0=self._last_losses[-5:], saved=str(saved),
                               memory={f"rank{r}": v for r, v in enumerate(rows)})
-        self.log.event("done", global_step=self.global_step)
+        self.log.event("done", global_step=self.steps_done)
 
     def report_oom(self, err: BaseException) -> None:
         """Phase, the micro-batch (ids, grids, tokens) and every rank's last memory numbers."""
@@ -478,12 +473,13 @@ class Recipe:
                 samples.append({"sample_id": sid, "grid_thw": list(meta.grid_thw[i]),
                                 "input_tokens": meta.input_tokens[i], "visual_tokens": meta.visual_tokens[i],
                                 "supervised_tokens": meta.supervised_tokens[i]})
-        self.memory.record(self.phase, self.global_step)
+        self.tracker.snapshot(self.steps_done)
+        # steps_done is the index of the step that was running when memory ran out
         report = {"error": "out_of_memory", "message": str(err), "rank": self.rank, "phase": self.phase,
-                  "global_step": self.global_step, "samples": samples, "ranks_memory": all_ranks_memory(self.run_dir)}
+                  "global_step": self.steps_done, "samples": samples, "ranks_memory": all_ranks_memory(self.run_dir)}
         write_json(self.run_dir / f"oom_rank{self.rank}.json", report)
         self.log.event("oom", **{k: v for k, v in report.items() if k != "rank"})
-        lines = [f"[rank {self.rank}] OUT OF MEMORY in phase {self.phase} at global step {self.global_step}: {err}"]
+        lines = [f"[rank {self.rank}] OUT OF MEMORY in phase {self.phase} at global step {self.steps_done}: {err}"]
         lines += [f"  sample {s['sample_id']}: grid {s['grid_thw']}, {s['input_tokens']} input tokens "
                   f"({s['visual_tokens']} visual, {s['supervised_tokens']} supervised)" for s in samples]
         for m in report["ranks_memory"]:
@@ -502,36 +498,12 @@ class Recipe:
             torch.distributed.destroy_process_group()
 
 
-def causal_lm_loss(model, batch: dict[str, torch.Tensor], *, full_logits: bool = False) -> torch.Tensor:
-    """Mean cross-entropy over supervised tokens (labels != -100), the same value as the model's own loss.
-
-    Position p predicts token p+1, so only columns whose next label is supervised need logits; the model
-    computes them there alone (`logits_to_keep` as an index tensor). That skips the full-sequence fp32
-    logits, the first allocation to run out of memory on long videos. Seam for later: the frozen vision
-    tower can run under no_grad before this call and be passed in through `mm_encoder_outputs`.
-    """
-    batch = dict(batch)
-    labels = batch.pop("labels")
-    if full_logits:
-        return model(**batch, labels=labels).loss
-    next_labels = labels[:, 1:]
-    keep = (next_labels != IGNORE_INDEX).any(dim=0).nonzero().squeeze(1)
-    out = model(**batch, logits_to_keep=keep)
-    logits = out.logits.float()
-    target = next_labels[:, keep]
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX)
-
-
 def _is_vision(name: str) -> bool:
     return ".visual." in f".{name}"
 
 
 def _is_merger(name: str) -> bool:
     return _is_vision(name) and (".merger." in name or "deepstack_merger_list" in name)
-
-
-def _mem_json(stat) -> dict:
-    return {"alloc_gib": round(stat.alloc_gib, 3), "reserved_gib": round(stat.reserved_gib, 3), "kind": stat.kind}
 
 
 def run(cfg: TrainConfig) -> int:

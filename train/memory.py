@@ -1,14 +1,17 @@
-"""Per-phase memory: one helper that returns GiB and resets the peaks, a per-rank phase table, OOM reports.
+"""Per-phase memory: one helper that returns GiB and resets the peaks, and PhaseTracker, which knows this
+rank's phase, injects the simulated faults there and accounts the memory of each phase.
 
 On CUDA the numbers are `max_memory_allocated` / `max_memory_reserved` since the last reset. On CPU there
 is no allocator to ask, so the process RSS stands in (labelled `cpu_rss`): `alloc` is the RSS now and
 `reserved` the peak RSS of the process so far (the OS peak cannot be reset).
 
-Every rank writes its latest numbers to RUN/memory/rank{r}.json after each phase. An OOM report reads
-those files instead of running a collective, because the other ranks may be stuck in one already.
+Every rank writes its latest numbers to RUN/memory/rank{r}.json once per training step (and after the load
+and the save). An OOM report reads those files instead of running a collective, because the other ranks
+may be stuck in one already.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -19,7 +22,7 @@ from pathlib import Path
 import torch
 
 GIB = 2**30
-PHASES = ("load", "first_forward", "forward", "backward", "optimizer_step", "save")
+PHASES = ("load", "data", "first_forward", "forward", "backward", "optimizer_step", "save")
 FAIL_ENV = "VIDEO_ORA_FAIL_AT"  # debug hook: "phase:step[:rank]" raises a simulated OOM there
 
 
@@ -60,31 +63,71 @@ def device_info() -> list[dict]:
     return out
 
 
-class PhaseMemory:
-    """Max peak per phase for this rank; mirrored to RUN/memory/rank{r}.json for OOM reports."""
+class PhaseTracker:
+    """This rank's current phase, the fault hook and the memory of every phase, in one context manager.
+
+    `with tracker.phase("backward", step):` makes "backward" the phase an error or OOM report names, raises
+    the simulated OOM that VIDEO_ORA_FAIL_AT asks for there, and on exit takes the phase's peak (resetting
+    it). Inside a training step (`begin_step` .. `end_step`) a phase that runs once per micro-batch keeps its
+    max over the step, and RUN/memory/rank{r}.json is written once, by `end_step`; outside a step (load,
+    save) the file is written as the phase ends.
+    """
 
     def __init__(self, run_dir: Path, rank: int):
         self.path = Path(run_dir) / "memory" / f"rank{rank}.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rank = rank
-        self.phases: dict[str, MemStat] = {}
-        self.last: dict = {}
+        self.current = "setup"  # the phase running now, or the last one that ran
+        self.latest: MemStat | None = None  # peak of the last phase that ended
+        self.phases: dict[str, MemStat] = {}  # max per phase over the whole run (the summary table)
+        self._step: int | None = None  # the training step being measured, None outside the loop
+        self._step_peaks: dict[str, MemStat] = {}
+        self.last: dict = {}  # what the memory file holds
 
-    def record(self, phase: str, step: int | None = None) -> MemStat:
+    @contextlib.contextmanager
+    def phase(self, name: str, step: int):
+        self.current = name
+        maybe_fail(name, step, self.rank)
+        yield
         stat = peak_memory(reset=True)
-        old = self.phases.get(phase)
-        if old is None or stat.alloc_gib > old.alloc_gib or stat.reserved_gib > old.reserved_gib:
-            self.phases[phase] = MemStat(max(stat.alloc_gib, old.alloc_gib if old else 0),
-                                         max(stat.reserved_gib, old.reserved_gib if old else 0), stat.kind)
+        self.latest = stat
+        self.phases[name] = _max(self.phases.get(name), stat)
+        if self._step is None:
+            self._write(name, step, stat)
+        else:
+            self._step_peaks[name] = _max(self._step_peaks.get(name), stat)
+
+    def begin_step(self, step: int) -> None:
+        self._step, self._step_peaks = step, {}
+
+    def end_step(self) -> dict[str, dict]:
+        """The step's peak per phase ({phase: {alloc_gib, reserved_gib, kind}}); writes the memory file."""
+        peaks = {k: _round(dataclasses.asdict(v)) for k, v in self._step_peaks.items()}
+        if self._step_peaks:
+            self._write(self.current, self._step, self._step_peaks[self.current] if self.current in self._step_peaks
+                        else self.latest)
+        self._step, self._step_peaks = None, {}
+        return peaks
+
+    def snapshot(self, step: int | None) -> None:
+        """Write the numbers now (an OOM report: the phase that failed never ended)."""
+        self._write(self.current, step, peak_memory(reset=False))
+
+    def _write(self, phase: str, step: int | None, stat: MemStat) -> None:
         self.last = {"rank": self.rank, "phase": phase, "step": step, **_round(dataclasses.asdict(stat)),
-                     "phases": {k: _round(dataclasses.asdict(v)) for k, v in self.phases.items()}}
+                     "phases": self.table_rows()}
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json.dumps(self.last))
         tmp.replace(self.path)
-        return stat
 
     def table_rows(self) -> dict:
         return {k: _round(dataclasses.asdict(v)) for k, v in self.phases.items()}
+
+
+def _max(old: MemStat | None, new: MemStat) -> MemStat:
+    if old is None:
+        return new
+    return MemStat(max(old.alloc_gib, new.alloc_gib), max(old.reserved_gib, new.reserved_gib), new.kind)
 
 
 def _round(d: dict) -> dict:
