@@ -77,9 +77,6 @@ class ShardPaths:
                 return f"{path.name} has {path.stat().st_size} bytes, {self.stats.name} recorded {size}"
         return None
 
-    def is_complete(self) -> bool:
-        return self.incomplete() is None
-
     def clear(self) -> None:
         """Remove the final files an interrupted attempt left (stats first, so a crash here stays incomplete).
         Temporary files are never touched here: each belongs to its writer (stale ones: outdir.sweep_temps)."""
