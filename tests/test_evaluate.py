@@ -263,6 +263,6 @@ def test_cli_writes_json_and_html(example, tmp_path, capsys):
     report = json.loads((tmp_path / "r.json").read_text())
     assert len(report["per_window"]) == 5
     page = (tmp_path / "r.html").read_text()
-    assert page.count("<svg") == 2  # one timeline per video
+    assert page.count("<section class=\"video\"") == 2  # one review card per video
     assert "&lt;argmax&gt;11&lt;/argmax&gt;" in page  # raw output escaped into the tooltip
-    assert "<script" not in page
+    assert page.count("<script") == 1 and "<script src" not in page  # one inline script, nothing fetched

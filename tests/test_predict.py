@@ -64,7 +64,7 @@ def test_predictions_feed_evaluate_and_export(preds, built_shards, tmp_path, cap
                     "--html", str(tmp_path / "r.html")]) == 0
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["counts"] == {"windows": 12, "videos": 4, "predictions": 12}
-    assert (tmp_path / "r.html").read_text().count("<svg") == 4
+    assert (tmp_path / "r.html").read_text().count("<section class=\"video\"") == 4
     for fmt in ("json", "ffmpeg"):
         assert ex.main([str(out), "--format", fmt, "--out", str(tmp_path / f"keep.{fmt}")]) == 0
     assert ex.main([str(out), "--format", "edl", "--out", str(tmp_path / "edl")]) == 0

@@ -38,7 +38,6 @@ Conventions for empty sets: precision with no predictions is 1 if there was noth
 from __future__ import annotations
 
 import argparse
-import html
 import json
 import math
 import sys
@@ -404,51 +403,14 @@ def evaluate(
 
 # ---------------------------------------------------------------- HTML
 
-_STATUS_COLOR = {"valid": "#ffffff", "repaired": "#fff4c2", "failed": "#ffd6d6"}
-
-
-def timeline_svg(video: dict, windows: list[dict], width: int = 760) -> str:
-    """Gold (top) and predicted (bottom) keep segments on one time axis; window backgrounds by status."""
-    dur = max(video["duration_s"], 1e-6)
-    left, row_h, top = 50, 18, 4
-    scale = (width - left - 10) / dur
-
-    def x(t: float) -> float:
-        return left + t * scale
-
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{top + 2 * row_h + 28}" '
-             'font-family="sans-serif" font-size="11">']
-    parts.append(f'<text x="2" y="{top + 13}">gold</text><text x="2" y="{top + row_h + 13}">pred</text>')
-    for w in windows:
-        x0, x1 = x(w["window_start_s"]), x(w["window_end_s"])
-        tip = html.escape(f'{w["sample_id"]}: {w["status"]} {" ".join(w["degenerate"])} | {w["raw_output"]!r}'[:300])
-        parts.append(f'<rect x="{x0:.1f}" y="{top + row_h}" width="{max(x1 - x0, 0.5):.1f}" height="{row_h}" '
-                     f'fill="{_STATUS_COLOR[w["status"]]}" stroke="#bbb"><title>{tip}</title></rect>')
-    for row, key, color in ((0, "gold_keep", "#2e7d32"), (1, "pred_keep", "#1565c0")):
-        y = top + row * row_h + 3
-        for s, e in video[key]:
-            parts.append(f'<rect x="{x(s):.1f}" y="{y}" width="{max(x(e) - x(s), 1):.1f}" height="{row_h - 6}" '
-                         f'fill="{color}"><title>{s:.1f}-{e:.1f} s</title></rect>')
-    axis_y = top + 2 * row_h + 4
-    parts.append(f'<line x1="{left}" y1="{axis_y}" x2="{x(dur):.1f}" y2="{axis_y}" stroke="#444"/>')
-    step = max(1, round(dur / 10))
-    t = 0
-    while t <= dur + 1e-9:
-        parts.append(f'<line x1="{x(t):.1f}" y1="{axis_y}" x2="{x(t):.1f}" y2="{axis_y + 4}" stroke="#444"/>'
-                     f'<text x="{x(t):.1f}" y="{axis_y + 16}" text-anchor="middle">{t:g}s</text>')
-        t += step
-    parts.append("</svg>")
-    return "".join(parts)
-
-
 def _fmt(v) -> str:
     return "n/a" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
-def render_html(report: dict) -> str:
-    """A self-contained page: summary tables and one timeline per video (no scripts, no external files)."""
+def summary_rows(report: dict) -> list[tuple[str, str]]:
+    """(metric, value) rows of the report's headline numbers, as the review page shows them."""
     w, f, v = report["window"], report["format"], report["video"]
-    summary = [
+    return [
         ("windows / videos", f'{report["counts"]["windows"]} / {report["counts"]["videos"]}'),
         ("valid / repaired / failed", f'{_fmt(f["valid_rate"])} / {_fmt(f["repaired_rate"])} / {_fmt(f["failed_rate"])}'),
         ("degenerate rate", _fmt(f["degenerate_rate"])),
@@ -463,24 +425,13 @@ def render_html(report: dict) -> str:
          f'{_fmt(v["frame_f1"]["keep"]["f1"])} / {_fmt(v["frame_f1"]["cut"]["f1"])}'),
         ("segment P/R/F1 @0.5 (videos)", " / ".join(_fmt(v["segment_prf@0.5"][k]) for k in ("precision", "recall", "f1"))),
     ]
-    out = ["<!doctype html><html><head><meta charset='utf-8'><title>video-ora evaluation</title>",
-           "<style>body{font-family:sans-serif;margin:20px}td,th{padding:2px 8px;text-align:left}"
-           "table{border-collapse:collapse}tr:nth-child(even){background:#f4f4f4}</style></head><body>",
-           "<h1>video-ora evaluation</h1><table>"]
-    out += [f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(val))}</td></tr>" for k, val in summary]
-    out.append("</table><p>Timelines: green = gold keep, blue = predicted keep; window background "
-               "white = valid, yellow = repaired, red = failed (hover for the raw output).</p>")
-    windows_by_video: dict[str, list[dict]] = defaultdict(list)
-    for win in report["per_window"]:
-        windows_by_video[win["video_id"]].append(win)
-    for video in report["per_video"]:
-        ff = video["frame_f1"]
-        out.append(f'<h3>{html.escape(video["video_id"])}</h3><p>set IoU {_fmt(video["set_iou"])}, '
-                   f'keep-F1 {_fmt(ff["keep"]["f1"])}, cut-F1 {_fmt(ff["cut"]["f1"])}, '
-                   f'mIoU {_fmt(video["window_metrics"]["miou"])}</p>')
-        out.append(timeline_svg(video, windows_by_video[video["video_id"]]))
-    out.append(f"<h2>Definitions</h2><pre>{html.escape(report['definitions'] or '')}</pre></body></html>")
-    return "\n".join(out)
+
+
+def render_html(report: dict, *, shards: Path, page: Path, videos: Path | None = None) -> str:
+    """The review page of a report (train/review.py): filmstrips, keep tracks, raw outputs, players."""
+    from train.review import render_review
+
+    return render_review(report, summary_rows(report), shards=shards, page=page, videos=videos)
 
 
 # ---------------------------------------------------------------- CLI
@@ -493,7 +444,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gold", help="annotations file with source-time segments per video (else: the manifest)")
     ap.add_argument("--gold-format", default="default", choices=("default", "qvhighlights"))
     ap.add_argument("--out", help="write the JSON report here")
-    ap.add_argument("--html", help="write the HTML report here")
+    ap.add_argument("--html", help="write the review page here (static HTML: filmstrips, keep segments, raw outputs, "
+                    "players)")
+    ap.add_argument("--videos", help="directory the manifest's source paths are relative to: the review page "
+                    "plays them (paths relative to the page)")
     ap.add_argument("--merge-gap", type=float, default=seg.MERGE_GAP_S, help="seconds; pieces this close merge")
     ap.add_argument("--resolution", type=float, default=RESOLUTION_S, help="bin size of keep/cut F1 (seconds)")
     ap.add_argument("--order-scores", action="store_true",
@@ -511,7 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     if args.html:
-        Path(args.html).write_text(render_html(report))
+        Path(args.html).write_text(render_html(report, shards=Path(args.shards), page=Path(args.html),
+                                               videos=Path(args.videos) if args.videos else None))
     w, f, v = report["window"], report["format"], report["video"]
     print(json.dumps({
         "windows": report["counts"]["windows"], "videos": report["counts"]["videos"],
