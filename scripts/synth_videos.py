@@ -111,10 +111,18 @@ def write_dataset(out_dir: str | Path, specs: list[VideoSpec], query: str | None
     return out_dir
 
 
-def event_specs(n: int, seed: int = 0, duration_s: float = 24.0, **kw) -> list[VideoSpec]:
+def event_specs(n: int, seed: int = 0, duration_s: float = 24.0, duration_range: tuple[float, float] | None = None,
+                **kw) -> list[VideoSpec]:
+    """n videos with random events; all duration_s long, or each a whole number of seconds drawn from
+    duration_range (its own generator, so the events of a fixed-length set do not change with it)."""
     rng = random.Random(seed)
-    return [VideoSpec(name=f"synth_{seed}_{i:04d}", duration_s=duration_s, events=random_events(rng, duration_s),
-                      seed=seed * 100003 + i, **kw) for i in range(n)]
+    lengths = random.Random(seed * 7919 + 1)
+    specs = []
+    for i in range(n):
+        d = float(round(lengths.uniform(*duration_range))) if duration_range else duration_s
+        specs.append(VideoSpec(name=f"synth_{seed}_{i:04d}", duration_s=d, events=random_events(rng, d),
+                               seed=seed * 100003 + i, **kw))
+    return specs
 
 
 def main() -> None:

@@ -99,7 +99,7 @@ def video_card(video: dict, windows: list[dict], strip: list[dict], problems: li
            f'cut-F1 {_fmt(ff["cut"]["f1"])} · window mIoU {_fmt(wm["miou"])} · {len(windows)} windows</p>']
     out.append('<div class="body">')
     if src is not None:
-        out.append(f'<div class="player"><video src="{html.escape(src)}" controls preload="metadata" muted '
+        out.append(f'<div class="player"><video src="{html.escape(src)}" controls preload="auto" muted '
                    f'playsinline></video><div class="buttons"><button class="keep-only">play keep only</button> '
                    f'<span class="now">0.0 s</span></div></div>')
     else:

@@ -1,0 +1,42 @@
+"""The README's first command, scripts.demo, end to end at toy size (2 training steps, a few videos): every
+stage runs as its own command and the outputs a newcomer opens exist. That the recipe behind it learns is
+the learnability test's job (same recipe, full size), so no second real training run here."""
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_demo_runs_every_stage_and_writes_the_review_page(tmp_path):
+    out = tmp_path / "demo"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "scripts.demo", "--out", str(out), "--steps", "2", "--train-videos", "3",
+           "--test-videos", "2"]
+    # its own process group: on timeout the demo and every stage it started are killed together
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=420)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"demo did not finish in 420 s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    lines = stdout.splitlines()
+    for stage in ("prep train", "prep held-out", "predict before", "train", "verify", "predict", "evaluate", "export"):
+        assert any(line.startswith(f"{stage} ") and " ok in " in line for line in lines), (stage, stdout)
+    assert any(line.strip().startswith("before ") for line in lines) and any(line.strip().startswith("after ") for line in lines)
+    assert "real clip bikes.mp4" in stdout
+    assert "tensors equal" in (out / "logs" / "verify.log").read_text()
+    report = json.loads((out / "report.json").read_text())
+    assert {v["video_id"] for v in report["per_video"]} >= {"bikes"} and report["counts"]["videos"] == 3
+    page = (out / "review.html").read_text()
+    assert page.count('<section class="video"') == 3 and 'src="videos/bikes.mp4"' in page
+    assert (out / "keep.sh").is_file()
