@@ -30,7 +30,9 @@ from pathlib import Path
 from prep import answers as answers_mod
 from prep.annotations import check_segments, load_annotations
 from prep.budget import PATCH_SIZE, FramePlan, VideoBudget, group_times, plan_frames
-from prep.decode import DecodeError, decode_windows, encode_windows
+from prep.decode import RESIZE, DecodeError, decode_windows, encode_windows
+from prep.decoders import BACKENDS, DEFAULT_BACKEND
+from prep.decoders import available as decoder_available
 from prep.outdir import PLAN_FILE, BuildIOError, BuildLock, BuildLocked, io_stage, our_files, sweep_temps, tmp_name
 from prep.probe import ProbeFailure, ProbeResult, probe_video
 from prep.shards import (INPUT_REJECTS, ShardPaths, ShardWriter, assemble, file_entry, group_videos, read_stats, shard_name,
@@ -111,6 +113,7 @@ class BuildConfig:
     query: str = DEFAULT_QUERY
     query_template: str | None = None  # None: "{query}" (qvhighlights: QVH_QUERY_TEMPLATE)
     jpeg_quality: int = 95
+    decoder: str = DEFAULT_BACKEND  # prep/decoders.py: decord | torchcodec | pyav
     samples_per_shard: int = 256
     shard_size_mb: float | None = 1024.0
     workers: int | None = None  # None: all cores available to this process
@@ -154,6 +157,10 @@ class BuildConfig:
             p.append("--max-input-tokens must be > 0")
         if not 1 <= self.jpeg_quality <= 100:
             p.append("--jpeg-quality must be in 1..100")
+        if self.decoder not in BACKENDS:
+            p.append(f"--decoder must be one of {BACKENDS}, got {self.decoder!r}")
+        elif why := decoder_available(self.decoder):
+            p.append(why)
         if self.samples_per_shard < 1:
             p.append("--samples-per-shard must be >= 1")
         if self.workers < 1:
@@ -245,6 +252,7 @@ class WorkerSettings:
     bound: InputBound
     prompt_layout: str
     jpeg_quality: int
+    decoder: str  # prep/decoders.py backend
     decode_timeout: float  # --decode-timeout, for the reject detail (the parent's watchdog enforces it)
     decode_threads: int  # decord threads per worker process
     encode_threads: int  # resize + JPEG threads per worker process, running while the decoder works
@@ -353,6 +361,7 @@ def process_shard(task: ShardTask) -> dict:
     """Build one shard from scratch: plan, tokenize, decode each file once, write; stats.json last.
     A file in task.timed_out (its decode hung in an earlier attempt) is not opened: its windows are rejects."""
     paths = task.paths
+    _one_torch_thread()
     with io_stage("write shard", paths.tar):
         paths.clear()
         writer = ShardWriter(paths)
@@ -386,6 +395,15 @@ def process_shard(task: ShardTask) -> dict:
     with io_stage("write stats", paths.stats):
         write_stats(paths, stats)
     return stats
+
+
+def _one_torch_thread() -> None:
+    """The resize (prep/decode.py) runs on the encode threads; torch's own intra-op pool would oversubscribe
+    the cores the other workers use. Called in worker processes only (the parent's torch stays as it is)."""
+    import torch
+
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
 
 
 def _by_file(videos: list[VideoJob]) -> list[list[VideoJob]]:
@@ -432,7 +450,8 @@ def _process_file(jobs: list[VideoJob], s: WorkerSettings, tokenizer, pool: Exec
     done = 0
     probe = jobs[0].probe
     if planned:
-        decoded = _timed(decode_windows(probe.path, [p[2].frame_indices for p in planned], num_threads=s.decode_threads),
+        decoded = _timed(decode_windows(probe.path, [p[2].frame_indices for p in planned], backend=s.decoder,
+                                        num_threads=s.decode_threads, rotation=probe.rotation),
                          t, "decode_s", beat=probe.path)
         sizes = [(p[2].height, p[2].width) for p in planned]
         t0 = time.perf_counter()
@@ -634,7 +653,7 @@ def _build_locked(config: BuildConfig) -> dict:
     decode_threads, encode_threads = worker_threads(config.workers)
     settings = WorkerSettings(budget=budget, tokenizer=str(config.tokenizer) if config.tokenizer else None,
                               bound=bound, prompt_layout=config.prompt_layout, jpeg_quality=config.jpeg_quality,
-                              decode_timeout=config.decode_timeout,
+                              decoder=config.decoder, decode_timeout=config.decode_timeout,
                               decode_threads=decode_threads, encode_threads=encode_threads)
     tasks = [ShardTask(index=i, out=out, videos=[by_id[v] for v in g], settings=settings) for i, g in enumerate(groups)]
     pending = []
@@ -687,8 +706,7 @@ def _build_locked(config: BuildConfig) -> dict:
         model_family=config.model_family,
         prompt=PromptInfo(layout=config.prompt_layout, transformers=versions.get("transformers")),
         tokenizer=tok_info,
-        decode=DecodeInfo(backend="decord", resize="PIL BICUBIC to the planned size (qwen-vl-utils: torchvision "
-                          "bicubic, antialias=True; same sizes, pixels differ slightly)", jpeg_quality=config.jpeg_quality),
+        decode=DecodeInfo(backend=config.decoder, resize=RESIZE, jpeg_quality=config.jpeg_quality),
         answer_format=ANSWER_FORMAT,
         versions=versions,
         shard_files=[ShardFile(name=s["shard"], sha256=s["sha256"], bytes=s["bytes"], samples=s["samples"],
@@ -836,6 +854,9 @@ def parser() -> argparse.ArgumentParser:
       help="how an annotation's own query becomes the instruction, with {query} (default: '{query}'; "
            "qvhighlights: a moment-retrieval instruction)")
     a("--jpeg-quality", type=int, default=95, help="JPEG quality of the stored frames")
+    a("--decoder", choices=BACKENDS, default=DEFAULT_BACKEND,
+      help="video decoder (prep/decoders.py): decord, torchcodec (needs the system FFmpeg libraries) or pyav "
+           "(fallback); same frame indices and timestamps, pixels within 1 level (README); the probe uses decord")
     a("--samples-per-shard", type=int, default=256, help="target samples per shard (whole videos; a shard may hold fewer)")
     a("--shard-size-mb", type=float, default=1024.0, help="soft cap on estimated shard size in MiB (0: none)")
     a("--workers", type=int, default=None, help="processes for probing and shards (default: all cores)")

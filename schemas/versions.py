@@ -7,7 +7,7 @@ from importlib import metadata
 # What decides the bytes of a build or the numbers of a run: decoding, resizing, tokenization, the model
 # code, the distributed engine, the serialization.
 PACKAGES = ("video-ora", "torch", "transformers", "tokenizers", "deepspeed", "peft", "accelerate", "safetensors",
-            "webdataset", "decord", "av", "pillow", "numpy", "pyarrow")
+            "webdataset", "decord", "torchcodec", "av", "pillow", "numpy", "pyarrow")
 
 
 def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str | None]:

