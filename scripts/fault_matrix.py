@@ -9,14 +9,17 @@ build  One reference build of synthetic videos (2 workers), its --out watched: e
        was on disk then is recorded), then rerun to the end. It passes when the rerun exits 0, its
        manifest holds exactly the reference's sample ids, every shard tar and sidecar/manifest parquet is
        byte-identical to the reference (stats.json and build.json differ only by timings, so they are left
-       out), and `prep verify` exits 0.
+       out), `prep verify` exits 0, and no process of the killed build outlived the kill.
 train  One uninterrupted reference run: 2 ranks on CPU (gloo), LoRA on the tiny random Qwen3-VL, 6 samples,
-       2 epochs of 3 steps, checkpoints after steps 2 and 4. Then, per kill point (TRAIN_KILLS: a rank
-       SIGKILLs itself at an exact place inside the save, VIDEO_ORA_KILL_AT; or the whole process group is
-       SIGKILLed once both ranks logged a step), the run, the kill, and `--resume` in place. It passes when
-       the resume starts from the expected complete checkpoint, every step's sample ids equal the
-       reference's and its loss is within 1e-6, the coverage ledger is exact, and the adapter equals the
-       reference's (max |diff| <= 1e-6; how many tensors are bit-identical is reported).
+       2 epochs of 3 steps, checkpoints step000002 and step000004 (after 2 and 4 of the 6 steps). Then, per
+       kill point (TRAIN_KILLS: a rank SIGKILLs itself at an exact place inside the save, VIDEO_ORA_KILL_AT;
+       or the whole process group is SIGKILLed once both ranks logged a step), the run, the kill, and
+       `--resume` in place. It passes when `latest` does not name an incomplete checkpoint, the resume starts
+       from the expected one (fixed for a kill inside the save; for a timed kill, the newest complete one
+       after it), every step's sample ids equal the reference's and its loss is within 1e-6, the coverage
+       ledger is exact, the adapter equals the reference's (max |diff| <= 1e-6; how many tensors are
+       bit-identical is reported), and no rank outlived the kill (torchrun starts each rank in a session of
+       its own, so only train.main's tie to its launcher ends them with it).
 Every subprocess runs in its own process group with a timeout and is SIGKILLed with its group when it
 overruns. `--build-kills 0` or `--train-kills 0` skips a half.
 """
@@ -57,8 +60,8 @@ class TrainKill:
     name: str
     kill_at: str | None = None  # VIDEO_ORA_KILL_AT: a rank kills itself there (train/faults.py)
     after_step: int | None = None  # or: SIGKILL the whole job once every rank logged this global step
-    resume_tag: str | None = None  # the checkpoint the resume must start from (None: the newest complete
-    # one when the kill landed, which a timed kill cannot fix in advance)
+    resume_tag: str | None = None  # the checkpoint the resume must start from; None for a timed kill, which
+    # cannot know in advance how far the job got: then the newest complete one found after the kill
 
 
 TRAIN_KILLS = [
@@ -68,9 +71,9 @@ TRAIN_KILLS = [
               kill_at="checkpoint_marker:4:0", resume_tag="step000002"),
     TrainKill(name="rank 0 in save 4: checkpoint.json written, latest not", kill_at="checkpoint_latest:4:0",
               resume_tag="step000004"),
-    TrainKill(name="whole job after step 2", after_step=2, resume_tag="step000002"),
-    TrainKill(name="whole job after step 3 (save 4 follows)", after_step=3),
-    TrainKill(name="whole job after step 5 (in the final save)", after_step=5, resume_tag="step000004"),
+    TrainKill(name="whole job once step 2 is logged (between checkpoints)", after_step=2),
+    TrainKill(name="whole job once step 3 is logged (save 4 follows)", after_step=3),
+    TrainKill(name="whole job once step 5 is logged (in the final save)", after_step=5),
 ]
 
 
@@ -117,6 +120,34 @@ def _reap_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def survivors(marker: str, grace_s: float = 15.0) -> list[int]:
+    """Processes whose command line names `marker` (a run or --out path) still alive after `grace_s`; they are
+    SIGKILLed. A rank outliving its killed launcher would write beside the rerun (loader workers notice
+    their parent's death within 5 s)."""
+    me = str(os.getpid())
+    deadline = time.monotonic() + grace_s
+    while True:
+        alive = []
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit() or entry.name == me:
+                continue
+            try:
+                with open(f"/proc/{entry.name}/cmdline", "rb") as f:  # NUL-separated arguments
+                    if b"\0" + marker.encode() + b"\0" in b"\0" + f.read():
+                        alive.append(int(entry.name))
+            except OSError:  # gone meanwhile
+                continue
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for pid in alive:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return alive
 
 
 def _run(cmd: list[str], log: Path, env: dict | None = None) -> int:
@@ -211,13 +242,14 @@ def build_sweep(work: Path, kills: int) -> dict:
         state = on_disk(out)
         _kill_group(proc)
         _reap_group(proc)
+        left = survivors(str(out))
         rerun = _run(build_cmd(videos, out, BUILD_ARGS), work / "logs" / f"build_rerun{i:02d}.log")
         same_ids = rerun == 0 and sample_ids(out) == ref_ids
         identical = rerun == 0 and compared_files(out) == ref_files
         verify = _run([sys.executable, "-m", "prep", "verify", str(out)], work / "logs" / f"build_verify{i:02d}.log")
         row = {"point": i, "after_event": target, "events_seen": seen, "killed": killed, "on_disk_at_kill": state,
-               "rerun_rc": rerun, "same_sample_ids": same_ids, "byte_identical": identical, "verify_rc": verify,
-               "ok": rerun == 0 and same_ids and identical and verify == 0}
+               "survivors": len(left), "rerun_rc": rerun, "same_sample_ids": same_ids, "byte_identical": identical,
+               "verify_rc": verify, "ok": rerun == 0 and same_ids and identical and verify == 0 and not left}
         rows.append(row)
         print(f"  build kill {i:2d} after event {target}/{events} ({state}{'' if killed else ', had already ended'}): "
               f"rerun rc {rerun}, ids {'=' if same_ids else '!='}, bytes {'=' if identical else '!='}, "
@@ -298,6 +330,15 @@ def newest_complete(run: Path) -> str | None:
         return None
 
 
+def latest_problem(run: Path) -> str | None:
+    from train.checkpoint import CHECKPOINTS, LATEST, checkpoint_problem
+
+    path = run / CHECKPOINTS / LATEST
+    tag = path.read_text().strip() if path.is_file() else ""
+    why = checkpoint_problem(run / CHECKPOINTS / tag) if tag else None
+    return f"after the kill `latest` names {tag}, which is not complete ({why})" if why else None
+
+
 def train_point(kill: TrainKill, *, shards: Path, ref: Path, run: Path, cache: Path, args: list[str],
                 logs: Path) -> dict:
     """Run with `args` into `run`, kill it as `kill` says, resume in place, compare with the finished `ref`
@@ -315,7 +356,11 @@ def train_point(kill: TrainKill, *, shards: Path, ref: Path, run: Path, cache: P
     else:
         killed_rc = _finish(proc)
     _reap_group(proc)
+    logged = [max(last_steps(run, r), default=None) for r in (0, 1)]  # how far each rank got
+    left = survivors(str(run))  # torchrun gives each rank its own session: its group is not the ranks'
+    after = [max(last_steps(run, r), default=None) for r in (0, 1)]
     expected = kill.resume_tag or newest_complete(run)
+    latest = latest_problem(run)  # `latest` must never name a checkpoint that is not complete
     resume_rc = _run(train_cmd(shards, run, cache, args, "--resume", str(run)), logs / f"{run.name}.resume.log")
     resumed = read_log(run, 0, "resume")
     tag = resumed[-1]["checkpoint"] if resumed else None
@@ -325,13 +370,21 @@ def train_point(kill: TrainKill, *, shards: Path, ref: Path, run: Path, cache: P
         problems.append("the run was not killed (it finished first)")
     if tag != expected:
         problems.append(f"resumed from {tag}, expected {expected}")
+    if latest:
+        problems.append(latest)
+    if left:
+        problems.append(f"{len(left)} processes of the killed job were still running (killed now): {left}")
+    if after != logged:
+        problems.append(f"the killed job kept training: last steps {logged} at the kill, {after} after it")
     differs = compare_run(ref, run) if resume_rc == 0 else ["not resumed"]
     diff, exact, total = adapter_diff(ref, run) if resume_rc == 0 else (float("inf"), 0, 0)
     if resume_rc == 0:
         problems += differs
         if diff > ADAPTER_TOL:
             problems.append(f"adapter differs (max |diff| {diff:.3g})")
-    return {"name": kill.name, "killed_rc": killed_rc, "resumed_from": tag, "skipped": skipped,
+    return {"name": kill.name, "killed_rc": killed_rc, "survivors": len(left), "last_step_logged": logged,
+            "resumed_from": tag,
+            "expected": expected, "skipped": skipped,
             "resume_rc": resume_rc, "same_samples_and_losses": not differs, "adapter_max_diff": diff,
             "adapter_bit_identical": f"{exact}/{total}", "problems": problems, "ok": not problems}
 
@@ -354,7 +407,8 @@ def train_sweep(work: Path, kills: list[TrainKill], cache: Path) -> dict:
         run = work / f"train_kill{i:02d}"
         row = {"point": i, **train_point(kill, shards=shards, ref=ref, run=run, cache=cache, args=TRAIN_ARGS, logs=logs)}
         rows.append(row)
-        print(f"  train kill {i}: {kill.name}: killed rc {row['killed_rc']}, resumed from {row['resumed_from']} "
+        print(f"  train kill {i}: {kill.name}: killed rc {row['killed_rc']} with steps {row['last_step_logged']} "
+              f"logged (ranks 0, 1), resumed from {row['resumed_from']} "
               f"(skipped {row['skipped'] or 'none'}), adapter max |diff| {row['adapter_max_diff']:.3g} "
               f"({row['adapter_bit_identical']} bit-identical) -> "
               f"{'ok' if row['ok'] else 'FAILED: ' + '; '.join(row['problems'])}", flush=True)

@@ -542,7 +542,23 @@ def _mark_failed(recipe: Recipe, kind: str, message: str) -> None:
         update_run_record(path, status="failed", error={"kind": kind, "phase": recipe.phase, "message": message})
 
 
+def die_with_launcher() -> None:
+    """torchrun starts every rank in a session of its own, so a kill -9 of torchrun (or of its process group)
+    would leave the ranks training on and writing into RUN, beside the run a user resumes there. Under
+    torchrun, on Linux, a rank is SIGKILLed when its launcher dies (a plain `python -m train.main` is not
+    tied to its shell)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the launcher died before the line above
+        os._exit(EXIT_USAGE)
+
+
 def main(argv: list[str] | None = None) -> int:
+    die_with_launcher()
     try:
         cfg = parse_config(argv)
     except ConfigError as e:
