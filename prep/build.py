@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -33,7 +34,8 @@ from prep.budget import PATCH_SIZE, FramePlan, VideoBudget, group_times, plan_fr
 from prep.decode import RESIZE, DecodeError, decode_windows, encode_windows
 from prep.decoders import BACKENDS, DEFAULT_BACKEND
 from prep.decoders import available as decoder_available
-from prep.outdir import PLAN_FILE, BuildIOError, BuildLock, BuildLocked, io_stage, our_files, sweep_temps, tmp_name
+from prep.outdir import (PLAN_FILE, BuildIOError, BuildLock, BuildLocked, io_stage, our_files, part_lock_name, sweep_temps,
+                         tmp_name)
 from prep.probe import ProbeFailure, ProbeResult, probe_video
 from prep.shards import (INPUT_REJECTS, ShardPaths, ShardWriter, assemble, file_entry, group_videos, read_stats, shard_name,
                          write_stats)
@@ -116,8 +118,11 @@ class BuildConfig:
     decoder: str = DEFAULT_BACKEND  # prep/decoders.py: decord | torchcodec | pyav
     samples_per_shard: int = 256
     shard_size_mb: float | None = 1024.0
-    workers: int | None = None  # None: all cores available to this process
+    workers: int | None = None  # None: all cores available to this process (--ray: shard tasks in flight, None: no cap)
     decode_timeout: float = DECODE_TIMEOUT_S  # seconds a decode may go without progress; 0: no watchdog
+    ray: str | None = None  # None: local worker processes; "" or an address: shards as Ray tasks (prep/ray_distributor.py)
+    part: str | None = None  # "K/N": build only the shards of part K of N (no manifest; --assemble afterwards)
+    assemble: bool = False  # build no shard: check every shard complete, write manifest/rejects/build.json
     overwrite: bool = False
     progress: bool = True
 
@@ -129,7 +134,7 @@ class BuildConfig:
             self.stride_seconds = self.window_seconds
         if self.query_template is None:
             self.query_template = QVH_QUERY_TEMPLATE if self.format == "qvhighlights" else "{query}"
-        if self.workers is None:
+        if self.workers is None and self.ray is None:
             self.workers = _cores()
 
     def problems(self) -> list[str]:
@@ -163,8 +168,19 @@ class BuildConfig:
             p.append(why)
         if self.samples_per_shard < 1:
             p.append("--samples-per-shard must be >= 1")
-        if self.workers < 1:
+        if self.workers is not None and self.workers < 1:
             p.append("--workers must be >= 1")
+        if self.part is not None:
+            if self.part_of() is None:
+                p.append(f"--part must be K/N with 1 <= K <= N, got {self.part!r}")
+            if self.overwrite:
+                p.append("--part cannot --overwrite (it would delete the other parts' shards): empty --out first")
+            if self.assemble:
+                p.append("--assemble takes no --part: it runs once, after every part")
+        if self.ray is not None and importlib.util.find_spec("ray") is None:
+            p.append("--ray needs Ray installed here and on every node: pip install 'video-ora[ray]'")
+        if self.assemble and self.overwrite:
+            p.append("--assemble builds nothing, so it cannot --overwrite")
         if not self.decode_timeout >= 0:
             p.append("--decode-timeout must be >= 0 (0: no watchdog)")
         if "{query}" not in self.query_template:
@@ -179,6 +195,13 @@ class BuildConfig:
             p.append(str(e))
         return p
 
+    def part_of(self) -> tuple[int, int] | None:
+        """(K, N) of --part K/N; None when absent or malformed."""
+        m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", self.part or "")
+        if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
+            return None
+        return int(m.group(1)), int(m.group(2))
+
     def budget(self) -> VideoBudget:
         return VideoBudget.from_env(
             model_family=self.model_family,
@@ -191,9 +214,10 @@ class BuildConfig:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self).items()}
 
     def fingerprint(self) -> str:
-        """What decides the content of the shards (not where they are, workers, the watchdog, progress, overwrite)."""
+        """What decides the content of the shards (not where they are, how they are distributed, the watchdog,
+        progress, overwrite)."""
         keep = {k: v for k, v in self.to_json().items()
-                if k not in ("out", "workers", "decode_timeout", "overwrite", "progress")}
+                if k not in ("out", "workers", "decode_timeout", "overwrite", "progress", "ray", "part", "assemble")}
         keep["budget"] = dataclasses.asdict(self.budget())
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
 
@@ -591,28 +615,39 @@ def build(config: BuildConfig) -> dict:
     if problems:
         raise BuildError("invalid build config:\n  " + "\n  ".join(problems))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    lock = BuildLock(config.out)  # held until build.json is written (BuildLocked when another build has it)
-    with io_stage("lock", lock.path):
-        config.out.mkdir(parents=True, exist_ok=True)
-        lock.acquire()
+    part = config.part_of()
+    # held until build.json is written (BuildLocked when another build has it); a part shares the build's
+    # lock with the other parts and holds its own part lock alone
+    locks = [BuildLock(config.out, shared=part is not None)]
+    if part is not None:
+        locks.append(BuildLock(config.out, name=part_lock_name(*part)))
+    held = []
     try:
-        if lock.previous is not None:
-            print(f"prep build: took over {lock.path} from {lock.previous}: that build ended without releasing it "
-                  f"(killed?); its unfinished shards are rebuilt", file=sys.stderr)
+        for lock in locks:
+            with io_stage("lock", lock.path):
+                config.out.mkdir(parents=True, exist_ok=True)
+                lock.acquire()
+            held.append(lock)
+            if lock.previous is not None:
+                print(f"prep build: took over {lock.path} from {lock.previous}: that build ended without releasing "
+                      f"it (killed?); its unfinished shards are rebuilt", file=sys.stderr)
         with io_stage("build", config.out):  # any OS error a named stage below did not catch
             return _build_locked(config)
     finally:
-        lock.release()
+        for lock in reversed(held):
+            lock.release()
 
 
 def _build_locked(config: BuildConfig) -> dict:
     t_start = time.perf_counter()
     out = config.out
+    part = config.part_of()
     with io_stage("clean", out):
         if config.overwrite:
             for p in our_files(out):
                 p.unlink()
-        sweep_temps(out)  # partial files of a dead build: no other build can be writing here now
+        if part is None:
+            sweep_temps(out)  # partial files of a dead build: no other build can be writing here now
     budget = config.budget()
     tok_info = _tokenizer_info(config.tokenizer)  # fails fast on a tokenizer without the Qwen-VL tokens
 
@@ -623,8 +658,9 @@ def _build_locked(config: BuildConfig) -> dict:
     # probes and shards run in worker processes (prep/workers.py), forked before any decoder runs here
     t0 = time.perf_counter()
     paths = sorted({a.source_path for a in anns})
+    videos_dir = config.videos.absolute()  # the same path on every node of a cluster (a shared filesystem)
     with io_stage("probe", config.videos):
-        probes = dict(zip(paths, _probe_all([str(config.videos / p) for p in paths], config)))
+        probes = dict(zip(paths, _probe_all([str(videos_dir / p) for p in paths], config)))
     probe_s = time.perf_counter() - t0
 
     jobs: list[VideoJob] = []
@@ -650,24 +686,40 @@ def _build_locked(config: BuildConfig) -> dict:
         _check_plan(out, config, groups)
         write_records(out / INPUT_REJECTS, input_rejects, RejectRecord)
 
-    decode_threads, encode_threads = worker_threads(config.workers)
+    # a Ray task gets one CPU: one decoder thread + one encode thread, as a local worker on a full machine
+    decode_threads, encode_threads = worker_threads(config.workers) if config.ray is None else (1, 1)
     settings = WorkerSettings(budget=budget, tokenizer=str(config.tokenizer) if config.tokenizer else None,
                               bound=bound, prompt_layout=config.prompt_layout, jpeg_quality=config.jpeg_quality,
                               decoder=config.decoder, decode_timeout=config.decode_timeout,
                               decode_threads=decode_threads, encode_threads=encode_threads)
-    tasks = [ShardTask(index=i, out=out, videos=[by_id[v] for v in g], settings=settings) for i, g in enumerate(groups)]
+    tasks = [ShardTask(index=i, out=out.absolute(), videos=[by_id[v] for v in g], settings=settings)
+             for i, g in enumerate(groups)]
+    # --part K/N: every K-th shard (round robin: long and short videos spread over the parts)
+    mine = tasks if part is None else [t for t in tasks if t.index % part[1] == part[0] - 1]
+    if part is not None:
+        with io_stage("clean", out):  # only this part's own stale temps: the other parts may be writing theirs
+            sweep_temps(out, tuple(t.paths.name + "." for t in mine))
     pending = []
-    for t in tasks:
+    for t in mine:
         why = t.paths.incomplete()
         if why is None:
             continue
         if t.paths.stats.is_file():  # looked complete: say why it is rebuilt instead of trusting it
             print(f"prep build: rebuilding {t.paths.name}: {why}", file=sys.stderr)
         pending.append(t)  # process_shard clears what is left of it, stats first
+    if config.assemble and pending:
+        names = ", ".join(f"{t.paths.name} ({t.paths.incomplete()})" for t in pending[:5])
+        raise BuildError(f"--assemble: {len(pending)} of {len(tasks)} shards are not complete: {names}"
+                         f"{', ...' if len(pending) > 5 else ''}; finish their --part builds (or run this command "
+                         f"without --assemble to build them here)")
     t0 = time.perf_counter()
     with io_stage("shards", out):  # the workers name their own stage and file (write shard, sidecars, stats)
         _run_shards(pending, config)
     shards_s = time.perf_counter() - t0
+    with io_stage("clean", out):  # temps of attempts that were killed and retried (a Ray task, a stalled worker)
+        sweep_temps(out, None if part is None else tuple(t.paths.name + "." for t in mine))
+    if part is not None:
+        return _part_summary(config, tasks, mine, pending, probe_s, shards_s, time.perf_counter() - t_start)
 
     t0 = time.perf_counter()
     names = [t.paths.name for t in tasks]
@@ -718,6 +770,19 @@ def _build_locked(config: BuildConfig) -> dict:
     with io_stage("build.json", out / BUILD_JSON):
         record.write(out, tmp=tmp_name(out / BUILD_JSON))
     return dataclasses.asdict(summary)
+
+
+def _part_summary(config: BuildConfig, tasks: list[ShardTask], mine: list[ShardTask], pending: list[ShardTask],
+                  probe_s: float, shards_s: float, total_s: float) -> dict:
+    """What a --part build did (it writes no manifest: --assemble does, once every part is done)."""
+    stats = [read_stats(t.paths) for t in mine]
+    built = {t.paths.name for t in pending}
+    source_s = sum(s["source_s"] for s in stats if s["shard"].removesuffix(".tar") in built)
+    return {"part": config.part, "shards_total": len(tasks), "shards": len(mine), "shards_built": len(pending),
+            "shards_skipped": len(mine) - len(pending), "samples": sum(s["samples"] for s in stats),
+            "rejects": sum(s["rejects"] for s in stats),
+            "timings_s": {"probe": round(probe_s, 3), "shards": round(shards_s, 3), "total": round(total_s, 3)},
+            "realtime_factor": _rate(source_s, shards_s)}
 
 
 def _rate(x: float, seconds: float) -> float | None:
@@ -785,22 +850,39 @@ def _run_shards(tasks: list[ShardTask], config: BuildConfig) -> None:
         bar.set_postfix_str(f"{acc['windows'] / dt:.1f} windows/s, {acc['source_s'] / dt:.1f}x realtime", refresh=False)
         bar.update(videos)
 
-    def on_stall(task: ShardTask, label: str, waited: float) -> Retry:
-        if label not in {v.probe.path for v in task.videos} or label in task.timed_out:
-            raise BuildError(f"{task.paths.name}: its worker made no progress for {waited:.0f} s on {label} "
-                             f"(--decode-timeout {config.decode_timeout:g})")
-        print(f"prep build: decoding {label} made no progress for {waited:.1f} s (--decode-timeout "
-              f"{config.decode_timeout:g}); its worker was killed and replaced, {task.paths.name} is rebuilt "
-              f"without it (decode_timeout rejects)", file=sys.stderr)
-        return Retry(dataclasses.replace(task, timed_out=task.timed_out + (label,)))
-
+    on_stall = ShardStall(decode_timeout=config.decode_timeout)
     try:
-        with closing(distribute(process_shard, tasks, processes=config.workers, stall_s=_stall_s(config),
-                                on_stall=on_stall, on_progress=update)) as results:
-            for _ in results:
-                pass
+        if config.ray is None:
+            results = distribute(process_shard, tasks, processes=config.workers, stall_s=_stall_s(config),
+                                 on_stall=on_stall, on_progress=update)
+        else:  # a Ray task per shard; each runs the shard under the same watchdog on its node
+            from prep import ray_distributor
+
+            results = ray_distributor.distribute(process_shard, tasks, address=config.ray or None,
+                                                 in_flight=config.workers, stall_s=_stall_s(config), on_stall=on_stall)
+        with closing(results):
+            for _, stats in results:
+                if config.ray is not None:  # no per-video beats cross the cluster: the bar moves per shard
+                    update((stats["videos"], stats.get("windows", 0), stats.get("source_s", 0.0)))
     finally:
         bar.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardStall:
+    """on_stall for shard tasks (a picklable object: a Ray task carries it to its node). A stalled decode
+    drops that file from the shard (decode_timeout rejects) and the shard is rebuilt without it."""
+
+    decode_timeout: float
+
+    def __call__(self, task: ShardTask, label: str, waited: float) -> Retry:
+        if label not in {v.probe.path for v in task.videos} or label in task.timed_out:
+            raise BuildError(f"{task.paths.name}: its worker made no progress for {waited:.0f} s on {label} "
+                             f"(--decode-timeout {self.decode_timeout:g})")
+        print(f"prep build: decoding {label} made no progress for {waited:.1f} s (--decode-timeout "
+              f"{self.decode_timeout:g}); its worker was killed and replaced, {task.paths.name} is rebuilt "
+              f"without it (decode_timeout rejects)", file=sys.stderr)
+        return Retry(dataclasses.replace(task, timed_out=task.timed_out + (label,)))
 
 
 # ----------------------------------------------------------------------------------------------- CLI
@@ -863,6 +945,17 @@ def parser() -> argparse.ArgumentParser:
     a("--decode-timeout", type=float, default=DECODE_TIMEOUT_S,
       help="seconds a video's probe or decode may go without finishing a window; past it the video is rejected "
            "(decode_timeout), its worker process is killed and replaced, and the build goes on (0: no watchdog)")
+    a("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+      help="run each shard as a Ray task on a cluster (pip install ray; video-ora installed on every node; --videos "
+           "and --out on a filesystem every node sees, at the same path). ADDRESS as ray.init takes it (auto, "
+           "HOST:PORT); without it Ray's default (RAY_ADDRESS, a cluster started on this machine, else a new "
+           "local one). --workers then caps the shard tasks in flight (default: no cap)")
+    a("--part", default=None, metavar="K/N",
+      help="build only part K of N of the shards (every N-th shard from the K-th), e.g. one Slurm array task each; "
+           "no manifest is written: run the same command with --assemble once every part is done")
+    a("--assemble", action="store_true",
+      help="build no shard: check that every shard is complete (the parts are done), then write manifest.parquet, "
+           "rejects.parquet and build.json")
     a("--overwrite", action="store_true", help="delete this build's files in --out and rebuild (default: resume)")
     a("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return ap
@@ -904,6 +997,18 @@ def cli(argv: list[str] | None = None) -> int:
     except BuildIOError as e:
         print(f"prep build: error: {e}", file=sys.stderr)
         return EXIT_IO
+    except RuntimeError as e:
+        if type(e).__name__ != "RayUnavailable":  # prep/ray_distributor.py (ray is imported there only)
+            raise
+        print(f"prep build: error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if "part" in summary:
+        print(f"prep build --part {summary['part']}: {summary['shards']} of the build's {summary['shards_total']} "
+              f"shards ({summary['shards_built']} built, {summary['shards_skipped']} already complete), "
+              f"{summary['samples']} samples, {summary['rejects']} rejects, in {summary['timings_s']['total']:.1f} s; "
+              f"once every part is done, run the same command with --assemble instead of --part")
+        print(json.dumps({"event": "prep_build_part_done", **summary}, sort_keys=True))
+        return 0
     print("\n".join(summary_lines(summary, config.out)))
     print(json.dumps({"event": "prep_build_done", **summary}, sort_keys=True))
     if summary["samples"] == 0:

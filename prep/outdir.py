@@ -7,6 +7,9 @@ holder. The kernel drops a flock when the last descriptor of it closes, so a bui
 Forked workers share the parent's descriptor, so a worker still alive keeps the folder locked. flock is
 reliable between processes of one host; on NFS Linux turns it into a POSIX byte-range lock, which NFSv4
 servers honour across hosts (older ones may not: use one --out per host there).
+Parts (`prep build --part K/N`, one per machine of e.g. a Slurm array) hold `build.lock` SHARED, so parts
+run together while a whole build or `--assemble` (exclusive) waits for none of them, and each part holds
+its own `build.part-K-of-N.lock` exclusively (two copies of one part refuse each other).
 
 Temporary files: every writer writes under its own name, `<final name>.<pid>-<random>.tmp`, and renames
 only that file into place, so two writers can never publish or delete each other's partial bytes. Temps
@@ -90,11 +93,16 @@ def our_files(out: Path) -> list[Path]:
     return sorted(p for p in out.iterdir() if p.is_file() and p.name != LOCK_FILE and is_ours(p.name))
 
 
-def sweep_temps(out: Path) -> list[str]:
-    """Remove temporary files of earlier builds; call only while holding the lock."""
+def part_lock_name(k: int, n: int) -> str:
+    return f"build.part-{k}-of-{n}.lock"
+
+
+def sweep_temps(out: Path, prefixes: tuple[str, ...] | None = None) -> list[str]:
+    """Remove temporary files of earlier builds (only those whose name starts with one of `prefixes`, e.g.
+    a part's own shards, when given); call only while holding the lock that covers them."""
     gone = []
     for p in our_files(out):
-        if p.name.endswith(TMP_SUFFIX):
+        if p.name.endswith(TMP_SUFFIX) and (prefixes is None or p.name.startswith(prefixes)):
             p.unlink(missing_ok=True)
             gone.append(p.name)
     return gone
@@ -115,10 +123,12 @@ class Holder:
 
 class BuildLock:
     """`with BuildLock(out) as lock:` (or acquire()/release()) holds OUT/build.lock; lock.previous is the dead
-    holder it replaced."""
+    holder it replaced. shared=True: a part's hold (many at once, no holder written); name: another lock file
+    in OUT (a part's own)."""
 
-    def __init__(self, out: Path):
-        self.path = Path(out) / LOCK_FILE
+    def __init__(self, out: Path, *, name: str = LOCK_FILE, shared: bool = False):
+        self.path = Path(out) / name
+        self.shared = shared
         self.previous: Holder | None = None
         self._fd: int | None = None
 
@@ -131,15 +141,19 @@ class BuildLock:
     def acquire(self) -> "BuildLock":
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except OSError as e:
             os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
             holder = _read_holder(self.path, retries=20)
-            who = str(holder) if holder else "a process that has not written its name yet"
+            who = str(holder) if holder else ("--part builds (they hold it shared) or a process that has not "
+                                             "written its name yet")
             raise BuildLocked(f"{self.path.parent} is in use by another build ({who}; lock {self.path}); "
                               f"wait for it to finish, or choose another --out") from None
+        if self.shared:  # many holders at once: none writes its name (the exclusive holder's stays readable)
+            self._fd = fd
+            return self
         # the lock is ours: whatever holder is written here died without releasing (flock went with it)
         self.previous = _read_holder(self.path)
         me = Holder(pid=os.getpid(), host=socket.gethostname(),
@@ -150,6 +164,9 @@ class BuildLock:
         return self
 
     def release(self) -> None:
+        if self._fd is not None and self.shared:
+            os.close(self._fd)
+            self._fd = None
         if self._fd is not None:
             try:
                 os.ftruncate(self._fd, 0)  # a clean end leaves no holder to "take over"; the file stays (no unlink race)

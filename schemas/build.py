@@ -19,7 +19,7 @@ from schemas.manifest import SCHEMA_VERSION, SchemaError
 
 BUILD_JSON = "build.json"
 # BuildConfig fields that do not decide the content of the shards (left out of a rebuild command)
-_NOT_CONTENT = ("workers", "overwrite", "progress")
+_NOT_CONTENT = ("workers", "overwrite", "progress", "ray", "part", "assemble")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

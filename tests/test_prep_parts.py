@@ -1,0 +1,56 @@
+"""`prep build --part K/N` (one machine each, e.g. a Slurm array) then `--assemble`: the same build as one run.
+
+Parts share the build lock (shared flock) and each holds its own part lock; a whole build waits for none of
+them and is refused while one runs; --assemble refuses while a shard is missing, naming it.
+"""
+from __future__ import annotations
+
+import pytest
+
+from prep.build import BuildConfig, BuildError, build, cli
+from prep.outdir import LOCK_FILE, BuildLock, BuildLocked, part_lock_name
+from schemas.build import BuildRecord
+from schemas.manifest import SampleRecord, read_records
+from conftest import BUILT_SHARDS_ARGS
+
+
+def cli_args(videos, out, *extra) -> list[str]:
+    a = BUILT_SHARDS_ARGS
+    return ["--videos", str(videos), "--out", str(out), "--window-seconds", str(a["window_seconds"]),
+            "--video-min-tokens", str(a["video_min_tokens"]), "--video-max-tokens", str(a["video_max_tokens"]),
+            "--samples-per-shard", str(a["samples_per_shard"]), "--workers", "1", "--no-progress", *extra]
+
+
+def test_parts_then_assemble_give_the_one_run_build_and_locks_keep_them_apart(synth_videos_dir, built_shards,
+                                                                              tmp_path, capsys):
+    out = tmp_path / "out"
+    # part 2 runs while another process holds part 1's locks (shared build lock + its part lock)
+    out.mkdir()
+    with BuildLock(out, shared=True), BuildLock(out, name=part_lock_name(1, 2)):
+        assert cli(cli_args(synth_videos_dir, out, "--part", "2/2")) == 0
+        line = capsys.readouterr().out.splitlines()[0]
+        assert line.startswith("prep build --part 2/2: 1 of the build's 2 shards (1 built, 0 already complete)"), line
+        with pytest.raises(BuildLocked, match=r"part-1-of-2\.lock"):  # the same part twice
+            build(BuildConfig(videos=synth_videos_dir, out=out, part="1/2", **BUILT_SHARDS_ARGS))
+        with pytest.raises(BuildLocked, match=LOCK_FILE):  # a whole build while a part runs
+            build(BuildConfig(videos=synth_videos_dir, out=out, **BUILT_SHARDS_ARGS))
+    assert not (out / "manifest.parquet").exists() and (out / "shard-000001.tar").is_file()
+    assert not (out / "shard-000000.tar").exists()
+    with pytest.raises(BuildError, match=r"--assemble: 1 of 2 shards are not complete: shard-000000 \(not built\)"):
+        build(BuildConfig(videos=synth_videos_dir, out=out, assemble=True, **BUILT_SHARDS_ARGS))
+    summary = build(BuildConfig(videos=synth_videos_dir, out=out, part="1/2", **BUILT_SHARDS_ARGS))
+    assert (summary["shards"], summary["shards_built"], summary["samples"]) == (1, 1, 6)
+    summary = build(BuildConfig(videos=synth_videos_dir, out=out, assemble=True, **BUILT_SHARDS_ARGS))
+    assert (summary["shards_built"], summary["shards_skipped"], summary["samples"]) == (0, 2, 12)
+    ref, got = BuildRecord.read(built_shards), BuildRecord.read(out)
+    assert [(s.name, s.sha256) for s in got.shard_files] == [(s.name, s.sha256) for s in ref.shard_files]
+    assert read_records(out / "manifest.parquet", SampleRecord) == read_records(built_shards / "manifest.parquet",
+                                                                               SampleRecord)
+    assert got.config["part"] is None and got.config["assemble"] is True
+
+
+def test_part_flags_are_checked_up_front(synth_videos_dir, tmp_path):
+    for kw, text in ((dict(part="3/2"), "--part must be K/N"), (dict(part="1/2", overwrite=True), "cannot --overwrite"),
+                     (dict(part="1/2", assemble=True), "--assemble takes no --part")):
+        with pytest.raises(BuildError, match=text):
+            build(BuildConfig(videos=synth_videos_dir, out=tmp_path / "out", **{**BUILT_SHARDS_ARGS, **kw}))
