@@ -16,6 +16,8 @@ from schemas.prompt import DEFAULT_LAYOUT, LAYOUTS
 from train.plan import TAILS, batching_problems
 
 FINETUNE = ("lora", "full")
+PRESETS = ("video-ora-zero3",)  # the original Video-ORA ZeRO-3 DeepSpeed config (default_deepspeed_config at stage 3)
+QUANTIZE = ("nf4", "int8")
 DTYPES = ("bf16", "fp32")
 ZERO_STAGES = (0, 1, 2, 3)
 FAMILIES = ("qwen3_vl", "qwen3_5")
@@ -71,13 +73,24 @@ class TrainConfig:
     unfreeze_vision: bool = False  # train the vision tower (blocks and patch embedding)
     unfreeze_merger: bool = False  # train the vision-to-language merger
     deepspeed: Path | None = None  # DeepSpeed JSON; "auto" values are filled from this config
-    zero_stage: int | None = None  # ZeRO stage (None: 3 in the default config, "auto" in a --deepspeed file)
+    zero_stage: int | None = None  # ZeRO stage; None = auto: the memory planner picks (3 where it cannot, e.g. CPU)
     reduce_bucket_size: float | None = None  # reduce_bucket_size (None: 5e6, what Video-ORA used)
     prefetch_bucket_size: float | None = None  # stage3_prefetch_bucket_size (None: 5e6)
     param_persistence_threshold: float | None = None  # stage3_param_persistence_threshold (None: 1e4)
     offload_optimizer: bool = False  # ZeRO optimizer state on CPU
     offload_params: bool = False  # ZeRO-3 parameters on CPU
-    gradient_checkpointing: bool = True
+    preset: str | None = None  # named DeepSpeed config: video-ora-zero3 (the original Video-ORA run's)
+    mem_cap_gib: float | None = None  # CUDA: cap this process's memory (torch memory fraction): a small card
+    # Speed and memory levers, each behind its switch (README "Speed and memory levers")
+    attention: str = "sdpa"  # sdpa | eager | flash_attention_2 (train/kernels.py)
+    gradient_checkpointing: str = "auto"  # auto | all | none | every-K (train/activations.py)
+    offload_activations: bool = False  # checkpointed layers' saved inputs in host memory
+    vision_no_grad: bool | None = None  # frozen vision tower without autograd (None: on when it is all frozen)
+    vision_chunk_frames: int = 64  # frames per vision-tower pass (0: a micro-batch's videos at once)
+    loss_impl: str = "auto"  # auto | torch | chunked | liger (train/loss.py)
+    pack: bool = False  # pack a micro-batch's samples into one row (needs --max-tokens-per-batch)
+    quantize_base: str | None = None  # nf4 | int8: the frozen base in bitsandbytes (CUDA, LoRA)
+    linear_attention: str = "auto"  # Qwen3.5: auto | fla | torch (train/kernels.py)
     save_every: int = 0  # checkpoint every N optimizer steps (0: never; the final weights are always saved)
     resume: Path | None = None  # RUN directory to resume from (its latest checkpoint)
     verify_load: bool = False  # compare every checkpoint tensor against the loaded (gathered) parameters
@@ -167,8 +180,74 @@ class TrainConfig:
             p.append(f"--resume {self.resume}: no checkpoints/ directory (was it run with --save-every?)")
         if self.dtype not in DTYPES:
             p.append(f"--dtype {self.dtype!r}: choose one of {'|'.join(DTYPES)}")
+        p += self.lever_problems()
         if p:
             raise ConfigError("invalid training config:\n  - " + "\n  - ".join(p))
+
+
+    @property
+    def vision_frozen(self) -> bool:
+        return not (self.unfreeze_vision or self.unfreeze_merger)
+
+    @property
+    def vision_without_grad(self) -> bool:
+        """The resolved --vision-no-grad: on by default when the whole vision tower is frozen."""
+        return self.vision_frozen if self.vision_no_grad is None else self.vision_no_grad
+
+    def lever_problems(self) -> list[str]:
+        """The speed and memory levers' own rules (device-dependent ones are checked at setup)."""
+        from train.activations import problem as checkpointing_problem
+        from train.kernels import ATTENTIONS, LINEAR_ATTENTION
+        from train.loss import LOSS_IMPLS
+
+        p: list[str] = []
+        if self.attention not in ATTENTIONS:
+            p.append(f"--attention {self.attention!r}: choose one of {'|'.join(ATTENTIONS)}")
+        if (why := checkpointing_problem(self.gradient_checkpointing)) is not None:
+            p.append(why)
+        if self.offload_activations and self.gradient_checkpointing == "none":
+            p.append("--offload-activations offloads the checkpointed layers' inputs: it needs --gradient-checkpointing "
+                     "other than none")
+        if self.vision_no_grad and not self.vision_frozen:
+            p.append("--vision-no-grad with --unfreeze-vision/--unfreeze-merger: a trained tower needs its gradients")
+        if self.vision_chunk_frames < 0 or self.vision_chunk_frames % 2:
+            p.append(f"--vision-chunk-frames must be 0 or a positive even number (temporal patch of 2 frames), "
+                     f"got {self.vision_chunk_frames}")
+        if self.loss_impl not in LOSS_IMPLS:
+            p.append(f"--loss-impl {self.loss_impl!r}: choose one of {'|'.join(LOSS_IMPLS)}")
+        if self.loss_impl == "liger" and not self.lora:
+            p.append("--loss-impl liger computes the loss with a frozen lm_head (LoRA); with --finetune full use "
+                     "--loss-impl chunked")
+        if self.pack and self.max_tokens_per_batch is None:
+            p.append("--pack fills micro-batches up to a token budget: give --max-tokens-per-batch")
+        if self.quantize_base is not None:
+            if self.quantize_base not in QUANTIZE:
+                p.append(f"--quantize-base {self.quantize_base!r}: choose one of {'|'.join(QUANTIZE)}")
+            if not self.lora:
+                p.append("--quantize-base trains LoRA adapters on a quantized frozen base: not with --finetune full")
+            if self.zero_stage == 3 or self.preset == "video-ora-zero3":
+                p.append("--quantize-base: bitsandbytes weights cannot be ZeRO-3 partitioned; use --zero-stage 2 (or auto)")
+        if self.linear_attention not in LINEAR_ATTENTION:
+            p.append(f"--linear-attention {self.linear_attention!r}: choose one of {'|'.join(LINEAR_ATTENTION)}")
+        if self.mem_cap_gib is not None and not self.mem_cap_gib > 0:
+            p.append(f"--mem-cap-gib must be > 0, got {self.mem_cap_gib}")
+        if self.preset is not None:
+            if self.preset not in PRESETS:
+                p.append(f"--preset {self.preset!r}: choose one of {'|'.join(PRESETS)}")
+            if self.deepspeed is not None:
+                p.append(f"--preset {self.preset} and --deepspeed {self.deepspeed}: choose one DeepSpeed config")
+            if self.zero_stage not in (None, 3):
+                p.append(f"--preset {self.preset} is ZeRO-3; --zero-stage {self.zero_stage} contradicts it")
+        return p
+
+
+def _zero_stage(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: auto or one of {ZERO_STAGES}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -236,8 +315,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DeepSpeed JSON config; 'auto' values are filled from these flags. Default: the original "
                    "Video-ORA config (ZeRO-3, 5e6 buckets, no offload) with the stage/bucket/offload flags below")
     with_file = " (with --deepspeed: only where the file says \"auto\"; a file that sets it otherwise is an error)"
-    g.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, default=None,
-                   help="ZeRO stage (default 3)" + with_file)
+    g.add_argument("--zero-stage", type=_zero_stage, choices=(None, *ZERO_STAGES), default=None, metavar="auto|0|1|2|3",
+                   help="ZeRO stage. auto (default): on CUDA the memory planner (python -m train.plan) picks the fastest "
+                   "that fits the device's free memory or --mem-cap-gib; elsewhere 3" + with_file)
+    g.add_argument("--preset", choices=PRESETS, default=None,
+                   help="a named DeepSpeed config: video-ora-zero3 = the original Video-ORA run's ZeRO-3 config "
+                   "(5e6 buckets, 1e4 persistence, no offload)")
     g.add_argument("--reduce-bucket-size", type=float, default=None, help="reduce_bucket_size (default 5e6)" + with_file)
     g.add_argument("--prefetch-bucket-size", type=float, default=None,
                    help="stage3_prefetch_bucket_size (default 5e6)" + with_file)
@@ -247,8 +330,38 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep optimizer state on CPU (ZeRO >= 1; with --deepspeed the file must say so too)")
     g.add_argument("--offload-params", action="store_true",
                    help="keep parameters on CPU (ZeRO-3; with --deepspeed the file must say so too)")
-    g.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=d.gradient_checkpointing,
-                   help="recompute activations in backward (saves memory)")
+    g = ap.add_argument_group("speed and memory levers")
+    g.add_argument("--gradient-checkpointing", nargs="?", const="all", default=d.gradient_checkpointing,
+                   metavar="auto|all|none|every-K",
+                   help="recompute decoder layers in backward: all, none, every-K (layers 0, K, 2K, ...), or auto "
+                   "(the planner picks the least that fits; all where there is no GPU memory figure)")
+    g.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_const", const="none",
+                   help="same as --gradient-checkpointing none")
+    g.add_argument("--offload-activations", action="store_true",
+                   help="keep the checkpointed layers' saved inputs in pinned host memory (slower, frees "
+                   "layers x tokens x hidden bytes of device memory)")
+    g.add_argument("--attention", choices=("sdpa", "eager", "flash_attention_2"), default=d.attention,
+                   help="attention implementation (flash_attention_2 needs flash-attn and CUDA)")
+    g.add_argument("--vision-no-grad", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the vision tower without autograd (default: on when the whole tower is frozen)")
+    g.add_argument("--vision-chunk-frames", type=int, default=d.vision_chunk_frames,
+                   help="frames per vision-tower pass (exact: its attention stays within a temporal group); "
+                   "0 = all at once")
+    g.add_argument("--loss-impl", choices=("auto", "torch", "chunked", "liger"), default=d.loss_impl,
+                   help="cross-entropy at supervised positions: torch (logits there, fp32), chunked (lm_head + loss "
+                   "per chunk of positions, recomputed in backward), liger (fused kernel; CUDA, where it imports), "
+                   "auto (chunked; torch for a trainable lm_head under ZeRO-3)")
+    g.add_argument("--pack", action="store_true",
+                   help="pack each micro-batch's samples into one row (no padding, no attention across samples, "
+                   "per-sample positions) up to --max-tokens-per-batch tokens; Qwen3-VL only")
+    g.add_argument("--quantize-base", choices=QUANTIZE, default=None,
+                   help="hold the frozen base in bitsandbytes nf4/int8 (QLoRA; CUDA, LoRA, ZeRO <= 2)")
+    g.add_argument("--linear-attention", choices=("auto", "fla", "torch"), default=d.linear_attention,
+                   help="Qwen3.5's gated-delta-rule layers: fla (flash-linear-attention, checked against torch on "
+                   "the device first), torch (plain fallback), auto (fla when importable and correct)")
+    g.add_argument("--mem-cap-gib", type=float, default=None,
+                   help="CUDA: cap this process's memory at this many GiB (torch memory fraction), e.g. to act "
+                   "as a 12 GiB card; the planner plans for it")
     g = ap.add_argument_group("run")
     g.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N optimizer steps (0: never)")
     g.add_argument("--resume", type=Path, default=None,

@@ -190,7 +190,7 @@ class BatchMeta:
     visual_tokens: list[int]
     supervised_tokens: list[int]
     grid_thw: list[tuple[int, int, int]]
-    padded_tokens: int  # batch x longest sequence
+    padded_tokens: int  # rows x row length (batch x longest sequence; packed: the sum of the lengths)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -204,23 +204,27 @@ def collate(
     pad_token_id: int,
     repeat: Sequence[bool] | None = None,
     pixels: Sequence[torch.Tensor] | None = None,
+    pack: bool = False,
 ) -> tuple[dict[str, torch.Tensor], BatchMeta]:
-    """Right-padded model inputs of a micro-batch, and its metadata. `pixels` (already patchified, one per
-    sample) skips patchify."""
+    """Model inputs of a micro-batch, and its metadata: right-padded rows, or with `pack` one row holding the
+    samples back to back (plus `pack_lengths`, from which train/packing.py builds per-sample positions).
+    `pixels` (already patchified, one per sample) skips patchify."""
     if not samples:
         raise ValueError("collate needs at least one sample")
     if pixels is None:
         pixels = [patchify(s.frames, spec)[0] for s in samples]
-    longest = max(len(s.input_ids) for s in samples)
-    n = len(samples)
+    lengths = [len(s.input_ids) for s in samples]
+    offsets = [0] * len(samples) if not pack else [sum(lengths[:i]) for i in range(len(samples))]
+    n, longest = (len(samples), max(lengths)) if not pack else (1, sum(lengths))
     input_ids = torch.full((n, longest), pad_token_id, dtype=torch.long)
     labels = torch.full((n, longest), IGNORE_INDEX, dtype=torch.long)
     attention_mask = torch.zeros((n, longest), dtype=torch.long)
     for i, s in enumerate(samples):
         ids = torch.tensor(s.input_ids, dtype=torch.long)
-        input_ids[i, : len(ids)] = ids
-        labels[i, s.prompt_tokens: len(ids)] = ids[s.prompt_tokens:]
-        attention_mask[i, : len(ids)] = 1
+        r, a = (i if not pack else 0), offsets[i]
+        input_ids[r, a: a + len(ids)] = ids
+        labels[r, a + s.prompt_tokens: a + len(ids)] = ids[s.prompt_tokens:]
+        attention_mask[r, a: a + len(ids)] = 1
     mm_token_type_ids = torch.where(
         (input_ids == video_token_id) & attention_mask.bool(), VIDEO_TOKEN_TYPE, 0
     ).to(torch.long)
@@ -234,6 +238,8 @@ def collate(
         "pixel_values_videos": pixels[0] if len(pixels) == 1 else torch.cat(list(pixels), dim=0),
         "video_grid_thw": torch.tensor(grids, dtype=torch.long),
     }
+    if pack:
+        tensors["pack_lengths"] = torch.tensor(lengths, dtype=torch.long)
     meta = BatchMeta(
         sample_ids=[s.record.sample_id for s in samples],
         repeat=list(repeat) if repeat is not None else [False] * n,
@@ -323,7 +329,8 @@ class MicroBatchDataset(torch.utils.data.Dataset):
     DataLoader returns items in plan order whatever the number of workers."""
 
     def __init__(self, store: SampleStore, micro_batches: Sequence[MicroBatch], spec: VisionSpec, *,
-                 video_token_id: int, pad_token_id: int, tokenizer=None, pixel_dtype: torch.dtype = torch.float32):
+                 video_token_id: int, pad_token_id: int, tokenizer=None, pixel_dtype: torch.dtype = torch.float32,
+                 pack: bool = False):
         self.store = store
         self.micro_batches = list(micro_batches)
         self.spec = spec
@@ -331,6 +338,7 @@ class MicroBatchDataset(torch.utils.data.Dataset):
         self.pad_token_id = pad_token_id
         self.tokenizer = tokenizer
         self.pixel_dtype = pixel_dtype
+        self.pack = pack
 
     def __len__(self) -> int:
         return len(self.micro_batches)
@@ -351,7 +359,7 @@ class MicroBatchDataset(torch.utils.data.Dataset):
             preflight(s, tokenizer=self.tokenizer, spec=self.spec, video_token_id=self.video_token_id, pixels=px)
             pixels.append(px.to(self.pixel_dtype))
         return collate(samples, self.spec, video_token_id=self.video_token_id, pad_token_id=self.pad_token_id,
-                       repeat=mb.repeat, pixels=pixels)
+                       repeat=mb.repeat, pixels=pixels, pack=self.pack)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -397,6 +405,7 @@ def rank_loader(
     prefetch_factor: int = 4,
     pin_memory: bool | None = None,
     pixel_dtype: torch.dtype = torch.float32,
+    pack: bool = False,
 ) -> PlanLoader:
     """Loader yielding (tensors, BatchMeta) for one rank's micro-batches, exactly in the given order,
     prepared ahead by `num_workers` worker processes. With `tokenizer`, each sample's answer span is checked.
@@ -404,7 +413,7 @@ def rank_loader(
     shard, member and sample, when its micro-batch is next: before it reaches the model."""
     store.index_for([sid for mb in micro_batches for sid in mb.sample_ids])
     dataset = MicroBatchDataset(store, micro_batches, spec, video_token_id=video_token_id, pad_token_id=pad_token_id,
-                                tokenizer=tokenizer, pixel_dtype=pixel_dtype)
+                                tokenizer=tokenizer, pixel_dtype=pixel_dtype, pack=pack)
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
     return PlanLoader(torch.utils.data.DataLoader(

@@ -1,27 +1,172 @@
-"""The training loss: mean cross-entropy over the supervised positions (the answer and its <|im_end|>)."""
+"""The training loss: mean cross-entropy over the supervised positions (the answer and its <|im_end|>).
+
+Weighting, stated once: every supervised token of a micro-batch counts the same (per token), whether the
+micro-batch holds one sample, several padded ones or several packed into one row; DeepSpeed then averages
+the micro-batches of a step (each weighted 1 / grad_accum).
+
+Implementations (`--loss-impl`), all the same value as the model's own loss:
+- torch: logits only at the supervised positions (`logits_to_keep` as a boolean mask), fp32 cross-entropy;
+  never the fp32 logits over every position, the first allocation to run out of memory on long videos.
+- chunked: the model returns its final hidden states and no logits; lm_head + fp32 cross-entropy run
+  `chunk_positions` supervised positions at a time and are recomputed in backward, so at most one chunk's
+  [chunk, vocab] logits exist at once (what matters with packing or long answers). Not for a trainable lm_head
+  under ZeRO-3 (`auto` then takes torch).
+- liger: liger-kernel's fused linear + cross-entropy (Triton, CUDA only; computes the input gradient in the
+  forward), where it is installed and imports against the installed transformers.
+`full_logits` is the reference path: the model's own loss over logits at every position.
+
+The frozen vision tower runs before the language model (train/vision.py): outside autograd, per chunk of
+temporal groups, its outputs passed in as `mm_encoder_outputs`.
+"""
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
 
 from train.data import IGNORE_INDEX
+from train.packing import unpack_inputs
+from train.vision import ENCODER_KEY, encode_videos, unwrap
+
+LOSS_IMPLS = ("auto", "torch", "chunked", "liger")
 
 
-def causal_lm_loss(model, batch: dict[str, torch.Tensor], *, full_logits: bool = False) -> torch.Tensor:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossSpec:
+    """How the forward and the loss are computed (each field is one lever, `train.main --help`)."""
+
+    impl: str = "chunked"  # torch | chunked | liger (auto is resolved by resolve_loss_impl)
+    full_logits: bool = False  # reference: logits at every position, the model's own loss
+    chunk_positions: int = 1024  # supervised positions per lm_head + cross-entropy chunk (impl chunked)
+    vision_no_grad: bool = False  # run the vision tower under no_grad (only when it is entirely frozen)
+    vision_chunk_frames: int = 0  # frames per vision-tower pass (0: the whole micro-batch at once)
+
+    @property
+    def precompute_vision(self) -> bool:
+        """Encode the video before the language model (what either vision lever needs)."""
+        return self.vision_no_grad or self.vision_chunk_frames > 0
+
+
+def liger_problem() -> str | None:
+    """Why liger's fused linear cross-entropy cannot run here, or None."""
+    if not torch.cuda.is_available():
+        return "--loss-impl liger needs CUDA (liger-kernel is Triton code); use --loss-impl chunked on CPU"
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss  # noqa: F401
+    except Exception as e:  # ImportError, or liger's model patches failing against this transformers
+        return (f"--loss-impl liger: liger-kernel does not import here ({type(e).__name__}: {e}); "
+                "use --loss-impl chunked (same value, no Triton)")
+    return None
+
+
+def resolve_loss_impl(impl: str, *, lm_head_trainable: bool, zero_stage: int) -> str:
+    """auto -> chunked, except for a trainable lm_head under ZeRO-3 (torch)."""
+    if impl != "auto":
+        return impl
+    return "torch" if lm_head_trainable and zero_stage == 3 else "chunked"
+
+
+def causal_lm_loss(model, batch: dict[str, torch.Tensor], spec: LossSpec | None = None, *,
+                   full_logits: bool = False) -> torch.Tensor:
     """Mean cross-entropy over supervised tokens (labels != -100), the same value as the model's own loss.
 
-    Position p predicts token p+1, so only columns whose next label is supervised need logits; the model
-    computes them there alone (`logits_to_keep` as an index tensor). That skips the full-sequence fp32
-    logits, the first allocation to run out of memory on long videos. Seam for later: the frozen vision
-    tower can run under no_grad before this call and be passed in through `mm_encoder_outputs`.
+    Position p predicts token p+1, so only positions whose next label is supervised need logits. `model`
+    is what the trainer calls (DeepSpeed engine, PEFT model or plain transformers model).
     """
-    batch = dict(batch)
+    spec = spec or LossSpec(impl="torch", full_logits=full_logits)
+    batch = dict(unpack_inputs(model, batch))  # a packed row: per-sample positions, boundaries (train/packing.py)
     labels = batch.pop("labels")
-    if full_logits:
+    mask = batch.get("attention_mask")
+    if mask is not None and bool(mask.all()):
+        # No padding: causal alone is the mask, so none is passed (sdpa then runs is_causal, no [L, L] tensor).
+        del batch["attention_mask"]
+    if spec.precompute_vision and batch.get("pixel_values_videos") is not None:
+        pixels = batch.pop("pixel_values_videos")
+        batch["mm_encoder_outputs"] = {ENCODER_KEY: encode_videos(
+            model, pixels, batch["video_grid_thw"], chunk_frames=spec.vision_chunk_frames,
+            no_grad=spec.vision_no_grad)}
+    if spec.full_logits:
         return model(**batch, labels=labels).loss
-    next_labels = labels[:, 1:]
-    keep = (next_labels != IGNORE_INDEX).any(dim=0).nonzero().squeeze(1)
-    out = model(**batch, logits_to_keep=keep)
-    logits = out.logits.float()
-    target = next_labels[:, keep]
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX)
+    supervised = torch.zeros_like(labels, dtype=torch.bool)
+    supervised[:, :-1] = labels[:, 1:] != IGNORE_INDEX  # position p is supervised when label p+1 is
+    target = labels[:, 1:][labels[:, 1:] != IGNORE_INDEX]
+    if spec.impl == "torch":
+        logits = model(**batch, logits_to_keep=supervised).logits  # (n_supervised, vocab), flattened
+        return F.cross_entropy(logits.float(), target)
+    # chunked / liger: the final hidden states, no logits at all from the model
+    out = model(**batch, logits_to_keep=torch.zeros_like(supervised), output_hidden_states=True)
+    hidden = out.hidden_states[-1][supervised]  # (n_supervised, hidden), the final-norm output
+    del out
+    lm_head = unwrap(model).get_output_embeddings()
+    if spec.impl == "liger":
+        return _liger_loss(lm_head, hidden, target)
+    if spec.impl != "chunked":
+        raise ValueError(f"unknown loss implementation {spec.impl!r}; choose one of {LOSS_IMPLS}")
+    return chunked_cross_entropy(lm_head, hidden, target, chunk=spec.chunk_positions)
+
+
+def chunked_cross_entropy(lm_head, hidden: torch.Tensor, target: torch.Tensor, *, chunk: int) -> torch.Tensor:
+    """mean_i CE(lm_head(hidden_i), target_i), `chunk` rows at a time, in forward and again in backward
+    (recomputed from the saved hidden states), so at most one chunk's [chunk, vocab] logits exist at once.
+
+    A custom autograd function rather than torch's checkpoint: under ZeRO-3 the lm_head weight is a
+    partitioned parameter that only module hooks gather, and they do not run in a checkpoint's recompute;
+    here the weight is gathered explicitly in forward and in backward (train/zero.py)."""
+    if lm_head.bias is not None:
+        raise ValueError("the chunked loss assumes an lm_head without bias (Qwen3-VL, Qwen3.5)")
+    return _LinearCrossEntropy.apply(hidden, lm_head.weight, target, chunk)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """mean CE(F.linear(hidden, weight).float(), target), computed chunk by chunk; same numerics as lm_head
+    in the model dtype followed by an fp32 cross-entropy (what the model's own loss does)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, chunk):
+        from train.zero import gathered
+
+        n = target.numel()
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        with torch.no_grad(), gathered([weight]):
+            for s in range(0, n, chunk):
+                logits = F.linear(hidden[s:s + chunk], weight).float()
+                total += F.cross_entropy(logits, target[s:s + chunk], reduction="sum")
+        ctx.save_for_backward(hidden, target)
+        ctx.weight, ctx.chunk = weight, chunk  # not saved_tensors: ZeRO-3 swaps the parameter's storage
+        return total / max(n, 1)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from train.zero import gathered
+
+        hidden, target = ctx.saved_tensors
+        weight, chunk = ctx.weight, ctx.chunk
+        n = target.numel()
+        want_w = ctx.needs_input_grad[1]
+        if want_w and hasattr(weight, "ds_id"):
+            raise RuntimeError("chunked loss with a trainable, ZeRO-3 partitioned lm_head: use --loss-impl torch")
+        grad_h = torch.empty_like(hidden)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        scale = grad_out.float() / max(n, 1)
+        with torch.no_grad(), gathered([weight]):
+            for s in range(0, n, chunk):
+                h, t = hidden[s:s + chunk], target[s:s + chunk]
+                g = torch.softmax(F.linear(h, weight).float(), dim=-1)
+                g[torch.arange(t.numel(), device=g.device), t] -= 1.0
+                g = (g * scale).to(hidden.dtype)  # the grad of .float(), back in the model dtype
+                grad_h[s:s + chunk] = g @ weight
+                if grad_w is not None:
+                    grad_w += (g.t() @ h).float()
+        return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), None, None
+
+
+def _liger_loss(lm_head, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+    from train.zero import gathered
+
+    # liger computes the input gradient inside its forward, so the (ZeRO-3 partitioned) weight is needed there
+    # only; the base lm_head is frozen under LoRA (the trainer refuses liger with a trainable lm_head).
+    with gathered([lm_head.weight]):
+        return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)(lm_head.weight, hidden, target)

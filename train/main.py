@@ -17,6 +17,7 @@ the loop's `step` is the one running. Exit codes: 0 done, 2 a config/plan/data/l
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -62,13 +63,15 @@ from train.load_check import LoadError, check_load, verify_values
 from train.memory import PhaseTracker, all_ranks_memory, device_info, summary_table
 from train.models import detect_family, ensure_tiny_model
 from train.ledger import append_ledger, check_ledger
-from train.loss import causal_lm_loss
+from train.activations import Checkpointing, apply_checkpointing
+from train.kernels import KernelError, attention_problem, route_linear_attention
+from train.loss import LossSpec, causal_lm_loss, liger_problem, resolve_loss_impl
 from train.plan import PlanConfig, PlanError, global_steps, plan_run, total_steps
 from train.run_record import build_run_record, update_run_record, write_json
 
 EXIT_USAGE = 2
 EXIT_OOM = 3
-USER_ERRORS = (ConfigError, PlanError, PreflightError, SampleError, SchemaError, LoadError, ResumeError)
+USER_ERRORS = (ConfigError, PlanError, PreflightError, SampleError, SchemaError, LoadError, ResumeError, KernelError)
 
 
 class TrainingOOM(RuntimeError):
@@ -132,7 +135,7 @@ class Recipe:
         self.store.check_layout(cfg.prompt_layout)
         self.plan_config = PlanConfig(world_size=self.world_size, micro_batch_size=cfg.micro_batch_size,
                                       grad_accum=cfg.grad_accum, seed=cfg.seed, tail=cfg.tail,
-                                      max_tokens_per_batch=cfg.max_tokens_per_batch)
+                                      max_tokens_per_batch=cfg.max_tokens_per_batch, pack=cfg.pack)
         self.plans = plan_run(list(self.store.records.values()), self.plan_config, epochs=cfg.epochs,
                               max_steps=cfg.max_steps)
         self.total_steps = total_steps(self.plans)
@@ -165,15 +168,24 @@ class Recipe:
         self.vision = VisionSpec.from_model_config(self.model_config)
         self.tokenizer = load_tokenizer(str(self.model_dir))
 
+        # 2b. The levers that depend on the device and the family, checked before anything heavy.
+        self._check_levers()
+
         # 3. Pre-flight every planned sample from the manifest (the loader checks each one again as it reads).
         preflight_records([self.store.record(s) for s in planned], spec=self.vision)
 
-        # 4. DeepSpeed config as used, and the run record (before the load, so a crash still leaves it).
+        # 4. "auto" settings decided (ZeRO stage, checkpointing), the DeepSpeed config as used, and the run
+        #    record (before the load, so a crash still leaves it).
+        self.cfg = cfg = self._resolve_auto(cfg)
         self.ds_config = resolve_deepspeed_config(cfg, self.world_size, self.total_steps)
         # From here on cfg holds the ZeRO settings the DeepSpeed config really has (a --deepspeed file decides
         # them): one stage for the load, the engine, the saver and run.json.
         self.cfg = cfg = resolved(cfg, self.ds_config)
         self.zero_stage = cfg.zero_stage
+        self.loss_spec = self._loss_spec()
+        self.log.event("levers", attention=cfg.attention, gradient_checkpointing=cfg.gradient_checkpointing,
+                       offload_activations=cfg.offload_activations, **dataclasses.asdict(self.loss_spec),
+                       pack=cfg.pack, quantize_base=cfg.quantize_base)
         if self.rank == 0:
             record = build_run_record(
                 config=cfg.to_json(), ds_config=self.ds_config, shards=cfg.shards, world_size=self.world_size,
@@ -208,7 +220,39 @@ class Recipe:
         self.loader = rank_loader(
             self.store, micro_batches, self.vision, video_token_id=self.model_config.video_token_id,
             pad_token_id=self._pad_id(), tokenizer=self.tokenizer, num_workers=cfg.num_workers,
-            pixel_dtype=self.dtype)
+            pixel_dtype=self.dtype, pack=cfg.pack)
+
+    def _resolve_auto(self, cfg: TrainConfig) -> TrainConfig:
+        """--zero-stage auto / --gradient-checkpointing auto: today's behaviour (ZeRO-3, every layer
+        checkpointed) wherever no GPU memory figure exists."""
+        stage = cfg.zero_stage if cfg.zero_stage is not None else (3 if cfg.deepspeed is None else None)
+        ckpt = "all" if cfg.gradient_checkpointing == "auto" else cfg.gradient_checkpointing
+        if (stage, ckpt) != (cfg.zero_stage, cfg.gradient_checkpointing):
+            self.log.event("auto", zero_stage=stage, gradient_checkpointing=ckpt, reason="no GPU memory figure")
+        return dataclasses.replace(cfg, zero_stage=stage, gradient_checkpointing=ckpt)
+
+    def _check_levers(self) -> None:
+        """Refuse, with the reason, a lever this device or family cannot run; route Qwen3.5's kernels."""
+        cfg, device = self.cfg, self.device.type
+        problems = []
+        if (why := attention_problem(cfg.attention, device)) is not None:
+            problems.append(why)
+        if cfg.loss_impl == "liger" and (why := liger_problem()) is not None:
+            problems.append(why)
+        if cfg.pack and self.family == "qwen3_5":
+            problems.append("--pack with Qwen3.5: its linear-attention layers (gated delta rule, causal conv1d) carry "
+                            "state along the row, and their torch fallback in transformers ignores sample boundaries, "
+                            "so packed samples would see each other; train Qwen3.5 unpacked")
+        if device != "cuda":
+            for flag, on in (("--mem-cap-gib", cfg.mem_cap_gib is not None), ("--quantize-base", cfg.quantize_base)):
+                if on:
+                    problems.append(f"{flag} needs a CUDA device (this run is on {device})")
+        if problems:
+            raise ConfigError("levers not available here:\n  - " + "\n  - ".join(problems))
+        if self.family == "qwen3_5":
+            choice = route_linear_attention(cfg.linear_attention, self.device)
+            self.log.event("linear_attention", implementation=choice.implementation, reason=choice.reason)
+            self.log.say(f"Qwen3.5 linear attention: {choice.implementation} ({choice.reason})")
 
     def _model_dir(self) -> Path:
         if self.cfg.model is not None:
@@ -245,8 +289,8 @@ class Recipe:
             # each rank only ever holds its partition.
             self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
         with self.tracker.phase("load", 0):
-            model, info = AutoModelForImageTextToText.from_pretrained(self.model_dir, dtype=self.dtype,
-                                                                       output_loading_info=True)
+            model, info = AutoModelForImageTextToText.from_pretrained(
+                self.model_dir, dtype=self.dtype, output_loading_info=True, attn_implementation=self.cfg.attention)
             model.config.use_cache = False
             # transformers' ZeRO-3 loader keeps every key conversion, used or not, and save_pretrained reverses
             # them all: for Qwen3.5 that writes `model.language_model.model.language_model.*`. Keep only the
@@ -273,12 +317,10 @@ class Recipe:
         cfg = self.cfg
         for p in model.parameters():
             p.requires_grad_(False)
-        if cfg.gradient_checkpointing:
-            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x name
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
+        checkpointed = apply_checkpointing(model, Checkpointing.parse(cfg.gradient_checkpointing),
+                                           offload=cfg.offload_activations)
+        self.log.event("checkpointing", spec=cfg.gradient_checkpointing, layers=checkpointed,
+                       offload=cfg.offload_activations)
         torch.manual_seed(cfg.seed)  # LoRA init: the same on every rank
         if cfg.lora:
             from peft import LoraConfig, get_peft_model
@@ -398,7 +440,17 @@ class Recipe:
         self.log.bar = None
 
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return causal_lm_loss(self.engine, batch, full_logits=self.cfg.full_logits)
+        return causal_lm_loss(self.engine, batch, self.loss_spec)
+
+    def _loss_spec(self) -> LossSpec:
+        """How forward and loss run (train/loss.py), with --loss-impl auto decided for this run's ZeRO stage."""
+        cfg = self.cfg
+        impl = resolve_loss_impl(cfg.loss_impl, lm_head_trainable=not cfg.lora, zero_stage=self.zero_stage)
+        if impl == "chunked" and not cfg.lora and self.zero_stage == 3:
+            raise ConfigError("--loss-impl chunked with --finetune full under ZeRO-3: the trainable lm_head is "
+                              "partitioned; use --loss-impl torch (or auto)")
+        return LossSpec(impl=impl, full_logits=cfg.full_logits, vision_no_grad=cfg.vision_without_grad,
+                        vision_chunk_frames=cfg.vision_chunk_frames)
 
     def _lora_snapshot(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in trainable_state(self.engine.module).items() if "lora_" in k}

@@ -60,6 +60,7 @@ class PlanConfig:
     tail: str = "error"  # what to do with samples that do not fill a whole global step: error|pad|drop
     max_tokens_per_batch: int | None = None  # token budget per micro-batch (padded size); None = fixed size
     max_samples_per_batch: int | None = None  # optional cap on samples per micro-batch in token mode
+    pack: bool = False  # token mode counts the samples' tokens (one packed row), not longest x samples
 
     def __post_init__(self) -> None:
         problems = []
@@ -69,6 +70,8 @@ class PlanConfig:
         problems += batching_problems(tail=self.tail, micro_batch_size=self.micro_batch_size,
                                       max_tokens_per_batch=self.max_tokens_per_batch,
                                       max_samples_per_batch=self.max_samples_per_batch)
+        if self.pack and self.max_tokens_per_batch is None:
+            problems.append("pack needs max_tokens_per_batch (the packed row's token budget)")
         if problems:
             raise PlanError("invalid plan config: " + "; ".join(problems))
 
@@ -156,8 +159,9 @@ class EpochPlan:
             if cfg.token_mode:
                 cap = f", at most {cfg.max_samples_per_batch} samples" if cfg.max_samples_per_batch else ""
                 sizes = [len(mb.sample_ids) for step in self.steps for rank in step for mb in rank]
+                size = "packed row" if cfg.pack else "padded size"
                 lines.append(
-                    f"  micro-batches by token budget: padded size <= {cfg.max_tokens_per_batch} tokens{cap} "
+                    f"  micro-batches by token budget: {size} <= {cfg.max_tokens_per_batch} tokens{cap} "
                     f"({min(sizes, default=0)}..{max(sizes, default=0)} samples each); per global step "
                     f"{cfg.world_size} ranks x {cfg.grad_accum} accum = {cfg.micro_batches_per_step} micro-batches"
                 )
@@ -212,7 +216,8 @@ def _numbers(cfg: PlanConfig, n_samples: int) -> str:
 
 
 def _group_by_tokens(records: list[SampleRecord], cfg: PlanConfig, rng: random.Random) -> list[list[SampleRecord]]:
-    """Length grouping: sort within shuffled buckets, pack greedily under the padded-size budget, shuffle batches."""
+    """Length grouping: sort within shuffled buckets, fill greedily under the budget (padded size, or the sum
+    of tokens when packing), shuffle batches."""
     budget = cfg.max_tokens_per_batch
     assert budget is not None
     over = [r for r in records if r.input_tokens > budget]
@@ -230,9 +235,7 @@ def _group_by_tokens(records: list[SampleRecord], cfg: PlanConfig, rng: random.R
         chunk = sorted(records[start:start + bucket], key=lambda r: (-r.input_tokens, r.sample_id))
         current: list[SampleRecord] = []
         for r in chunk:
-            # Sorted longest first, so the first sample of a batch sets its padded length.
-            longest = current[0].input_tokens if current else r.input_tokens
-            if current and (longest * (len(current) + 1) > budget or len(current) >= cap):
+            if current and (_size(current + [r], cfg.pack) > budget or len(current) >= cap):
                 batches.append(current)
                 current = []
             current.append(r)
@@ -240,6 +243,14 @@ def _group_by_tokens(records: list[SampleRecord], cfg: PlanConfig, rng: random.R
             batches.append(current)
     rng.shuffle(batches)
     return batches
+
+
+def _size(batch: list[SampleRecord], pack: bool) -> int:
+    """Tokens a micro-batch occupies: its samples' sum when packed into one row, else longest x samples
+    (right padding; the batch is sorted longest first)."""
+    if pack:
+        return sum(r.input_tokens for r in batch)
+    return batch[0].input_tokens * len(batch)
 
 
 def _apply_tail(units: list[list[str]], per_step: int, cfg: PlanConfig, n_samples: int, min_real: int) -> tuple[

@@ -1,0 +1,241 @@
+"""Speed and memory levers, each proven on CPU not to change the loss: the lever against the reference path
+on the tiny models (same seed; one forward/backward with gradients compared, or 5 optimizer steps),
+relative difference <= 1e-2 (most are exact up to float reassociation). In-process, no DeepSpeed."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from train.loss import LossSpec, causal_lm_loss
+
+REL = 1e-2
+TWO = ["vid_a/w0002", "vid_c/w0000"]  # a landscape and a portrait window: different grids and lengths
+
+
+def _batch(model_dir: Path, shards: Path, ids: list[str]) -> dict[str, torch.Tensor]:
+    from transformers import AutoConfig
+
+    from schemas.prompt import load_tokenizer
+    from train.data import SampleStore, VisionSpec, collate
+
+    config = AutoConfig.from_pretrained(model_dir)
+    store = SampleStore(shards)
+    tensors, _ = collate([store.get(i) for i in ids], VisionSpec.from_model_config(config),
+                         video_token_id=config.video_token_id, pad_token_id=load_tokenizer(str(model_dir)).pad_token_id)
+    return tensors
+
+
+def _lora(model_dir: Path, *, seed: int = 0, attn: str = "sdpa", checkpointing: bool = True):
+    """The trainer's LoRA setup in miniature: frozen base, checkpointing, LoRA (no dropout) on the LLM."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    from train.config import DEFAULT_LORA_TARGETS
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn)
+    model.config.use_cache = False
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    torch.manual_seed(seed)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=DEFAULT_LORA_TARGETS))
+    with torch.no_grad():  # lora_B starts at zero: give it values so every gradient path is exercised
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    return model.train()
+
+
+def _loss_and_grads(model, batch, spec: LossSpec) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = causal_lm_loss(model, batch, spec)
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _assert_same(a: tuple[float, dict], b: tuple[float, dict], rel: float = REL) -> None:
+    assert a[0] == pytest.approx(b[0], rel=rel), (a[0], b[0])
+    assert a[1].keys() == b[1].keys() and a[1]
+    for k in a[1]:
+        scale = a[1][k].abs().max().item() + 1e-12
+        assert (a[1][k] - b[1][k]).abs().max().item() <= rel * scale, k
+
+
+REFERENCE = LossSpec(impl="torch", full_logits=True)  # the model's own loss over every position
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_chunked_vision_gives_the_model_own_embeddings(tiny_cache, family):
+    """Two videos of different grids; chunks that split a video, span two videos, or hold everything."""
+    from transformers import AutoModelForImageTextToText
+
+    from train.vision import encode_videos, plan_chunks
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_cache / f"tiny_{family}", dtype=torch.float32).eval()
+    grids = torch.tensor([[8, 6, 10], [5, 4, 4]])
+    torch.manual_seed(0)
+    pixels = torch.randn(int(grids.prod(-1).sum()), 3 * 2 * 16 * 16)
+    with torch.no_grad():
+        ref = model.model.get_video_features(pixels, grids, return_dict=True)
+    assert [[(s.video, s.t0, s.t1) for s in c] for c in plan_chunks([(8, 6, 10), (5, 4, 4)], 3)] == \
+        [[(0, 0, 3)], [(0, 3, 6)], [(0, 6, 8), (1, 0, 1)], [(1, 1, 4)], [(1, 4, 5)]]
+    for frames in (0, 2, 6, 16, 100):
+        got = encode_videos(model, pixels, grids, chunk_frames=frames)
+        assert [p.shape for p in got.pooler_output] == [p.shape for p in ref.pooler_output]
+        for a, b in zip(got.pooler_output, ref.pooler_output):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        for la, lb in zip(getattr(got, "deepstack_features", None) or [], getattr(ref, "deepstack_features", None) or []):
+            for a, b in zip(la, lb):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert not got.pooler_output[0].requires_grad  # no graph was built
+    with pytest.raises(ValueError, match="multiple of the temporal patch size 2"):
+        encode_videos(model, pixels, grids, chunk_frames=3)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_vision_levers_and_loss_impls_give_the_model_own_loss_and_gradients(tiny_cache, built_shards, family):
+    """One forward/backward of a padded 2-sample batch through LoRA: every loss implementation, with and
+    without the vision tower run apart (no grad, 4-frame chunks), against the model's own loss."""
+    model_dir = tiny_cache / f"tiny_{family}"
+    batch = _batch(model_dir, built_shards, TWO)
+    assert batch["attention_mask"].min() == 0  # padded: the two samples differ in length
+    model = _lora(model_dir)
+    ref = _loss_and_grads(model, batch, REFERENCE)
+    levers = [LossSpec(impl="torch"), LossSpec(impl="chunked", chunk_positions=7),
+              LossSpec(impl="chunked", vision_no_grad=True, vision_chunk_frames=4),
+              LossSpec(impl="torch", vision_no_grad=True)]
+    for spec in levers:
+        _assert_same(_loss_and_grads(model, batch, spec), ref)
+
+
+def test_attention_paths_and_checkpointing_levels_give_the_same_loss_and_gradients(tiny_cache, built_shards):
+    """sdpa vs eager; checkpointing all / none / every-2 / all with saved inputs offloaded to host memory."""
+    from train.activations import Checkpointing, apply_checkpointing
+
+    model_dir = tiny_cache / "tiny_qwen3_vl"
+    batch = _batch(model_dir, built_shards, TWO)
+    spec = LossSpec(impl="chunked", vision_no_grad=True)
+    ref = _loss_and_grads(_lora(model_dir, attn="eager"), batch, spec)
+    _assert_same(_loss_and_grads(_lora(model_dir, attn="sdpa"), batch, spec), ref)
+    for level, offload in (("none", False), ("every-2", False), ("all", True)):
+        model = _lora(model_dir, checkpointing=False)
+        chosen = apply_checkpointing(model.get_base_model(), Checkpointing.parse(level), offload=offload)
+        assert chosen == {"none": [], "every-2": [0], "all": [0, 1]}[level]
+        _assert_same(_loss_and_grads(model, batch, spec), ref)
+    with pytest.raises(ValueError, match="every-K"):
+        Checkpointing.parse("every-0")
+
+
+def test_no_dense_mask_reaches_attention_when_causal_suffices(tiny_cache, built_shards):
+    """One unpadded sample: the language model's attention gets no mask (sdpa runs is_causal); a padded
+    batch still gets one."""
+    from transformers import AttentionInterface, AttentionMaskInterface, AutoModelForImageTextToText
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+
+    seen = []
+
+    def probe(module, query, key, value, attention_mask, **kwargs):
+        if getattr(module, "is_causal", False):  # language-model layers (the vision tower is bidirectional)
+            seen.append(None if attention_mask is None else tuple(attention_mask.shape))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("probe_sdpa", probe)
+    AttentionMaskInterface.register("probe_sdpa", sdpa_mask)
+    model_dir = tiny_cache / "tiny_qwen3_vl"
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="probe_sdpa")
+    with torch.no_grad():
+        causal_lm_loss(model, _batch(model_dir, built_shards, TWO[:1]), LossSpec(impl="torch"))
+        assert seen and all(s is None for s in seen), seen
+        seen.clear()
+        causal_lm_loss(model, _batch(model_dir, built_shards, TWO), LossSpec(impl="torch"))
+        assert seen and all(s is not None and len(s) == 4 for s in seen), seen
+
+
+def test_chunked_loss_trains_a_trainable_lm_head_like_the_model_loss(tiny_cache, built_shards):
+    """Full fine-tune (lm_head tied to the trained embeddings): its gradient through the chunked loss too."""
+    from transformers import AutoModelForImageTextToText
+
+    model_dir = tiny_cache / "tiny_qwen3_vl"
+    batch = _batch(model_dir, built_shards, TWO)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).train()
+    for name, p in model.named_parameters():
+        p.requires_grad_(".visual." not in f".{name}")
+    ref = _loss_and_grads(model, batch, REFERENCE)
+    assert "lm_head.weight" in ref[1] or "model.language_model.embed_tokens.weight" in ref[1]
+    _assert_same(_loss_and_grads(model, batch, LossSpec(impl="chunked", chunk_positions=5, vision_no_grad=True)), ref)
+
+
+def _packed_batch(model_dir: Path, shards: Path, ids: list[str]) -> dict[str, torch.Tensor]:
+    from transformers import AutoConfig
+
+    from schemas.prompt import load_tokenizer
+    from train.data import SampleStore, VisionSpec, collate
+
+    config = AutoConfig.from_pretrained(model_dir)
+    store = SampleStore(shards)
+    tensors, meta = collate([store.get(i) for i in ids], VisionSpec.from_model_config(config),
+                            video_token_id=config.video_token_id,
+                            pad_token_id=load_tokenizer(str(model_dir)).pad_token_id, pack=True)
+    assert tensors["input_ids"].shape == (1, sum(meta.input_tokens)) == (1, meta.padded_tokens)
+    return tensors
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_row_gives_the_padded_batch_loss_and_gradients(tiny_cache, built_shards, attn):
+    """Three samples of different lengths and grids in one row: the same loss (per supervised token) and
+    LoRA gradients as the right-padded batch, i.e. per-sample positions and no attention across samples."""
+    from train.packing import packed_position_ids
+    from train.vision import inner_model
+
+    ids = TWO + ["vid_b/w0001"]
+    model_dir = tiny_cache / "tiny_qwen3_vl"
+    model = _lora(model_dir, attn=attn)
+    padded, packed = _batch(model_dir, built_shards, ids), _packed_batch(model_dir, built_shards, ids)
+    # positions: each sample numbered as alone (text row restarts; mRoPE rows equal the padded batch's)
+    lengths = packed["pack_lengths"].tolist()
+    pos = packed_position_ids(model, packed["input_ids"], packed["mm_token_type_ids"], packed["video_grid_thw"], lengths)
+    ref_pos, _ = inner_model(model).get_rope_index(padded["input_ids"], padded["mm_token_type_ids"],
+                                                   video_grid_thw=padded["video_grid_thw"],
+                                                   attention_mask=padded["attention_mask"])
+    start = 0
+    for i, n in enumerate(lengths):
+        assert pos[0, 0, start:start + n].tolist() == list(range(n))
+        assert torch.equal(pos[1:, 0, start:start + n], ref_pos[:, i, :n])
+        start += n
+    spec = LossSpec(impl="chunked", vision_no_grad=True, vision_chunk_frames=4)
+    ref, got = _loss_and_grads(model, padded, REFERENCE), _loss_and_grads(model, packed, spec)
+    _assert_same(got, ref)
+    # without the per-sample positions and boundaries the samples see each other: far larger differences
+    leaky = _loss_and_grads(model, {k: v for k, v in packed.items() if k != "pack_lengths"}, spec)
+
+    def worst(a):
+        return max((a[1][k] - ref[1][k]).abs().max().item() / ref[1][k].abs().max().item() for k in ref[1])
+
+    assert worst(leaky) > 100 * max(worst(got), 1e-7), (worst(leaky), worst(got))
+
+
+def test_packing_plans_by_the_sum_of_tokens_and_the_ledger_stays_exact(built_shards):
+    from schemas.manifest import SampleRecord, read_records
+    from train.plan import PlanConfig, PlanError, plan_epoch
+
+    records = read_records(built_shards / "manifest.parquet", SampleRecord)
+    tokens = {r.sample_id: r.input_tokens for r in records}
+    budget = 1100  # lengths 187..324: packing fits 4 samples of 315/196 where padding fits 3
+    padded = plan_epoch(records, PlanConfig(world_size=1, max_tokens_per_batch=budget, tail="pad"), 0)
+    packed = plan_epoch(records, PlanConfig(world_size=1, max_tokens_per_batch=budget, tail="pad", pack=True), 0)
+    mbs = [mb for step in packed.steps for rank in step for mb in rank]
+    assert all(sum(tokens[s] for s in mb.sample_ids) <= budget for mb in mbs)
+    # counted without padding: some packed micro-batch would not fit as a padded batch (longest x samples)
+    assert any(max(tokens[s] for s in mb.sample_ids) * len(mb.sample_ids) > budget for mb in mbs)
+    assert all(max(tokens[s] for s in mb.sample_ids) * len(mb.sample_ids) <= budget
+               for step in padded.steps for rank in step for mb in rank)
+    assert sorted(packed.sample_ids()) == sorted(tokens)  # every sample exactly once (the ledger's proof)
+    assert "packed row <= " in packed.describe()
+    with pytest.raises(PlanError, match="pack needs max_tokens_per_batch"):
+        PlanConfig(world_size=1, pack=True)

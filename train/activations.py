@@ -1,0 +1,80 @@
+"""What the language model keeps for backward: activation checkpointing per decoder layer, and the saved
+checkpoint inputs optionally held in host memory.
+
+`--gradient-checkpointing all|none|every-K|auto`: `all` recomputes every decoder layer in backward (keeps one
+[tokens, hidden] input per layer), `none` keeps every layer's activations (fastest, most memory), `every-K`
+checkpoints layers 0, K, 2K, ... of the language model, `auto` lets the memory planner pick the least
+checkpointing that fits (train/memplan.py; `all` where no GPU memory figure exists, e.g. on CPU).
+The vision blocks are never checkpointed: a frozen tower runs without autograd (train/vision.py).
+
+`--offload-activations`: the checkpointed layers' saved inputs go to pinned host memory in the forward and
+come back in the backward (torch.autograd.graph.save_on_cpu around each checkpointed call, transformers'
+`offload=True`); the recompute itself stays on the device. Costs two copies per layer on the compute stream.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+CHOICES = "auto|all|none|every-K"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Checkpointing:
+    """Every `every`-th language-model decoder layer is checkpointed (0: none)."""
+
+    every: int  # 1 = all, 0 = none, K = layers 0, K, 2K, ...
+
+    @classmethod
+    def parse(cls, text: str) -> "Checkpointing":
+        """all | none | every-K (auto is resolved by the planner before this)."""
+        if text == "all":
+            return cls(every=1)
+        if text == "none":
+            return cls(every=0)
+        m = re.fullmatch(r"every-(\d+)", text)
+        if m and int(m.group(1)) >= 1:
+            return cls(every=int(m.group(1)))
+        raise ValueError(f"--gradient-checkpointing {text!r}: choose {CHOICES} (K >= 1)")
+
+    def layers(self, n_layers: int) -> list[int]:
+        """Indices of the checkpointed decoder layers."""
+        return [] if self.every == 0 else list(range(0, n_layers, self.every))
+
+    def name(self) -> str:
+        return {0: "none", 1: "all"}.get(self.every, f"every-{self.every}")
+
+
+def problem(text: str) -> str | None:
+    if text == "auto":
+        return None
+    try:
+        Checkpointing.parse(text)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def decoder_layers(model) -> list:
+    """The language model's decoder layers (both families: `model.language_model.layers`)."""
+    from train.vision import inner_model
+
+    return list(inner_model(model).language_model.layers)
+
+
+def apply_checkpointing(model, spec: Checkpointing, *, offload: bool = False) -> list[int]:
+    """Enable checkpointing on the chosen decoder layers of a transformers model (before PEFT wraps it);
+    returns the checkpointed layer indices. With `offload`, their saved inputs live in host memory."""
+    if spec.every == 0:
+        if offload:
+            raise ValueError("--offload-activations offloads the checkpointed layers' inputs: it needs "
+                             "--gradient-checkpointing other than none")
+        return []
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
+                                          offload=offload)
+    model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
+    layers = decoder_layers(model)
+    chosen = set(spec.layers(len(layers)))
+    for i, layer in enumerate(layers):
+        layer.gradient_checkpointing = i in chosen
+    return sorted(chosen)

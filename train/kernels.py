@@ -1,0 +1,141 @@
+"""Which kernels the model runs: the attention implementation and Qwen3.5's linear-attention layers.
+
+Attention (`--attention`): transformers' `attn_implementation`. `sdpa` (default) reaches the flash and
+memory-efficient kernels of torch when no dense mask is passed; the trainer passes no attention mask for an
+unpadded micro-batch (causal is then `is_causal`, no [L, L] tensor) and for packed rows the per-sample
+position ids give transformers the sample boundaries (block mask for sdpa/eager, varlen for flash).
+`flash_attention_2` needs the flash-attn package and CUDA; `eager` is the plain reference.
+
+Linear attention (`--linear-attention`, Qwen3.5's gated-delta-rule and causal-conv1d layers): transformers
+picks flash-linear-attention (`fla`) / `causal_conv1d` at import when they are importable and otherwise a
+plain torch fallback (or kernels from the model hub, which offline clusters never reach). `torch` forces
+the fallback; `fla` requires fla and checks it against the fallback on the device first (fla 0.6 with
+Triton < 3.7.1 computes wrong gradients on Hopper); `auto` takes fla when it is importable, on CUDA, and
+passes that check, else the fallback, and says which.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import inspect
+
+import torch
+
+ATTENTIONS = ("sdpa", "eager", "flash_attention_2")
+LINEAR_ATTENTION = ("auto", "fla", "torch")
+# Module-level functions of transformers' Qwen3.5 modeling file that transformers binds to fla /
+# causal_conv1d when importable (their torch bodies are reached through inspect.unwrap).
+LINEAR_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                    "causal_conv1d_update")
+PROBE_TOLERANCE = 2e-2  # max |fla - torch| / max |torch|, forward output and input gradients, bf16
+
+
+class KernelError(ValueError):
+    """A kernel that was asked for cannot run here; the message says why and what to use instead."""
+
+
+def attention_problem(name: str, device_type: str) -> str | None:
+    """Why `--attention name` cannot run on this device, or None."""
+    if name not in ATTENTIONS:
+        return f"--attention {name!r}: choose one of {'|'.join(ATTENTIONS)}"
+    if name == "flash_attention_2":
+        if device_type != "cuda":
+            return "--attention flash_attention_2 needs a CUDA device (use sdpa: torch's own flash kernel)"
+        from transformers.utils import is_flash_attn_2_available
+
+        if not is_flash_attn_2_available():
+            return ("--attention flash_attention_2: the flash-attn package (>= 2.3.3) is not importable here; "
+                    "use --attention sdpa")
+    return None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinearAttentionChoice:
+    """What Qwen3.5's linear-attention layers run, and why."""
+
+    implementation: str  # "fla" or "torch"
+    reason: str
+
+
+def fla_importable() -> bool:
+    return importlib.util.find_spec("fla") is not None
+
+
+def _modeling_qwen3_5():
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    return modeling_qwen3_5
+
+
+def force_torch_linear_attention() -> list[str]:
+    """Bind Qwen3.5's linear-attention functions to their plain torch bodies; returns the names rebound."""
+    mod = _modeling_qwen3_5()
+    changed = []
+    for name in LINEAR_FUNCTIONS:
+        fn = getattr(mod, name, None)
+        if fn is None:
+            continue
+        body = inspect.unwrap(fn)
+        if body is not fn:
+            setattr(mod, name, body)
+            changed.append(name)
+    return changed
+
+
+def probe_gated_delta_rule(candidate, reference, device: torch.device, *, seed: int = 0,
+                           tolerance: float = PROBE_TOLERANCE) -> tuple[bool, float]:
+    """Run both gated-delta-rule implementations forward and backward on one small random problem on `device`
+    and compare (output and the q, k, v gradients). Returns (within tolerance, worst relative error)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    B, T, H, K, V = 1, 192, 2, 64, 64
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def inputs():
+        q = torch.randn(B, T, H, K, generator=g)
+        k = torch.randn(B, T, H, K, generator=g)
+        v = torch.randn(B, T, H, V, generator=g)
+        gate = -torch.rand(B, T, H, generator=g)  # log decay <= 0
+        beta = torch.rand(B, T, H, generator=g)
+        return [t.to(device, dtype) for t in (q, k, v)] + [gate.to(device, torch.float32), beta.to(device, dtype)]
+
+    base = inputs()
+    results = []
+    for fn in (candidate, reference):
+        q, k, v, gate, beta = [t.clone().requires_grad_(i < 3) for i, t in enumerate(base)]
+        out, _ = fn(q, k, v, g=gate, beta=beta, use_qk_l2norm_in_kernel=True)
+        out.float().square().sum().backward()
+        results.append([out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()])
+    worst = 0.0
+    for a, b in zip(*results):
+        worst = max(worst, ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item())
+    return worst <= tolerance, worst
+
+
+def route_linear_attention(mode: str, device: torch.device) -> LinearAttentionChoice:
+    """Make Qwen3.5's linear-attention layers run `mode` (auto|fla|torch) on `device`; KernelError when `fla`
+    was asked for and cannot run correctly here."""
+    if mode not in LINEAR_ATTENTION:
+        raise KernelError(f"--linear-attention {mode!r}: choose one of {'|'.join(LINEAR_ATTENTION)}")
+    if mode == "torch":
+        force_torch_linear_attention()
+        return LinearAttentionChoice(implementation="torch", reason="--linear-attention torch")
+    why_not = None
+    if device.type != "cuda":
+        why_not = "flash-linear-attention is Triton code and needs a CUDA device"
+    elif not fla_importable():
+        why_not = "flash-linear-attention (fla) is not importable here (pip install flash-linear-attention)"
+    else:
+        mod = _modeling_qwen3_5()
+        fn = mod.torch_chunk_gated_delta_rule
+        ok, worst = probe_gated_delta_rule(fn, inspect.unwrap(fn), device)
+        if not ok:
+            why_not = (f"fla's chunk_gated_delta_rule differs from the torch reference by {worst:.3g} (relative, "
+                       f"tolerance {PROBE_TOLERANCE}) on this device: check the Triton version (fla 0.6 needs "
+                       "Triton >= 3.7.1 on Hopper) or install tilelang")
+    if why_not is not None:
+        if mode == "fla":
+            raise KernelError(f"--linear-attention fla: {why_not}; use --linear-attention torch")
+        force_torch_linear_attention()
+        return LinearAttentionChoice(implementation="torch", reason=why_not)
+    return LinearAttentionChoice(implementation="fla", reason="fla importable and within tolerance of the torch "
+                                 "reference on this device")
