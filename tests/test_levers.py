@@ -239,3 +239,59 @@ def test_packing_plans_by_the_sum_of_tokens_and_the_ledger_stays_exact(built_sha
     assert "packed row <= " in packed.describe()
     with pytest.raises(PlanError, match="pack needs max_tokens_per_batch"):
         PlanConfig(world_size=1, pack=True)
+
+
+def test_gpu_only_levers_are_refused_on_cpu_with_the_reason(tmp_path, built_shards):
+    from train.config import ConfigError, parse_config
+    from train.kernels import KernelError, attention_problem, route_linear_attention
+    from train.loss import liger_problem
+
+    cpu = torch.device("cpu")
+    assert attention_problem("sdpa", "cpu") is None and attention_problem("eager", "cpu") is None
+    assert "needs a CUDA device" in attention_problem("flash_attention_2", "cpu")
+    assert "--loss-impl liger needs CUDA" in liger_problem()
+    with pytest.raises(KernelError, match="--linear-attention fla: flash-linear-attention is Triton code and needs a CUDA"):
+        route_linear_attention("fla", cpu)
+    base = ["--shards", str(built_shards), "--output-dir", str(tmp_path)]
+    with pytest.raises(ConfigError) as e:
+        parse_config(base + ["--finetune", "full", "--quantize-base", "nf4", "--zero-stage", "3", "--loss-impl", "liger",
+                             "--pack", "--unfreeze-merger", "--vision-no-grad", "--gradient-checkpointing", "every-0",
+                             "--vision-chunk-frames", "3", "--preset", "video-ora-zero3"])
+    msg = str(e.value)
+    for part in ("--quantize-base trains LoRA adapters", "cannot be ZeRO-3 partitioned", "--loss-impl liger computes",
+                 "--pack fills micro-batches up to a token budget", "a trained tower needs its gradients",
+                 "choose auto|all|none|every-K", "--vision-chunk-frames must be 0 or a positive even number"):
+        assert part in msg, msg
+    with pytest.raises(ConfigError, match="--preset video-ora-zero3 is ZeRO-3; --zero-stage 2 contradicts it"):
+        parse_config(base + ["--preset", "video-ora-zero3", "--zero-stage", "2"])
+    assert parse_config(base + ["--zero-stage", "auto"]).zero_stage is None
+    assert parse_config(base + ["--no-gradient-checkpointing"]).gradient_checkpointing == "none"
+    assert parse_config(base + ["--gradient-checkpointing"]).gradient_checkpointing == "all"
+    frozen = parse_config(base)
+    assert frozen.vision_without_grad and not parse_config(base + ["--unfreeze-merger"]).vision_without_grad
+
+
+def test_linear_attention_routing_and_its_correctness_probe():
+    """torch forces the plain bodies (fla or not); the probe passes an identical implementation and catches
+    one that is 5% off (what a wrong-gradient Triton kernel would look like)."""
+    import inspect
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as mod
+
+    from train.kernels import LINEAR_FUNCTIONS, probe_gated_delta_rule, route_linear_attention
+
+    choice = route_linear_attention("auto", torch.device("cpu"))
+    assert choice.implementation == "torch" and "CUDA" in choice.reason
+    for name in LINEAR_FUNCTIONS:
+        fn = getattr(mod, name)
+        assert inspect.unwrap(fn) is fn, name  # the plain torch body, no dispatching wrapper
+    body = mod.torch_chunk_gated_delta_rule
+    ok, worst = probe_gated_delta_rule(body, body, torch.device("cpu"))
+    assert ok and worst == 0.0
+
+    def off(q, k, v, **kw):
+        out, state = body(q, k, v, **kw)
+        return out * 1.05, state
+
+    ok, worst = probe_gated_delta_rule(off, body, torch.device("cpu"))
+    assert not ok and worst == pytest.approx(0.1025, rel=1e-3)  # output 5% off, gradients of out^2 10.25%
