@@ -239,6 +239,14 @@ class VideoJob:
     probe: ProbeResult
     windows: list[WindowJob]
     negatives_dropped: int = 0  # windows left out by --negatives drop (counted, not rejects)
+    share: float = 1.0  # fraction of the video's windows in this job (< 1: a long video split over shards)
+
+    @property
+    def label(self) -> str:
+        """How the shard plan names this job: the id, plus the window range of a piece of a split video."""
+        if self.share == 1.0:
+            return self.video_id
+        return f"{self.video_id}@w{self.windows[0].window.index}-{self.windows[-1].window.index}"
 
 
 # transformers' stand-in for "no maximum" in model_max_length is int(1e30); anything this large means unset
@@ -421,6 +429,35 @@ def process_shard(task: ShardTask) -> dict:
     return stats
 
 
+def warm_shard_worker(task: ShardTask) -> None:
+    """What a process that forks shard workers loads once, so each fork starts warm (a Ray worker does it here;
+    a local worker process warms up on its first shard and keeps serving): tokenizer, decoder, resize, JPEG.
+    Without it each Ray task's child paid ~1-2 CPU s of first calls (measured on the 2-core box)."""
+    import numpy as np
+
+    from prep.decode import encode_frame
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as in the build's own process (forks follow)
+    tokenizer = load_tokenizer(task.settings.tokenizer)
+    # first calls compile and initialize (the chat template, torch's resize kernels, the JPEG encoder, pyarrow's pandas import): once
+    # here instead of once in every forked child
+    tokenize_sample(tokenizer, query="warm-up", answer="[]", group_times_s=[0.0], tokens_per_group=4,
+                    layout=task.settings.prompt_layout)
+    encode_frame(np.zeros((36, 64, 3), np.uint8), 32, 48, task.settings.jpeg_quality)
+    import pyarrow as pa
+
+    from schemas.manifest import arrow_schema
+
+    pa.Table.from_pylist([], schema=arrow_schema(RejectRecord))  # its first call imports pandas (0.5 s)
+
+    if task.settings.decoder == "torchcodec":
+        from torchcodec.decoders import VideoDecoder  # noqa: F401
+    elif task.settings.decoder == "pyav":
+        import av  # noqa: F401
+    else:
+        import decord  # noqa: F401
+
+
 def _one_torch_thread() -> None:
     """The resize (prep/decode.py) runs on the encode threads; torch's own intra-op pool would oversubscribe
     the cores the other workers use. Called in worker processes only (the parent's torch stays as it is)."""
@@ -500,8 +537,8 @@ def _process_file(jobs: list[VideoJob], s: WorkerSettings, tokenizer, pool: Exec
         t["pipeline_s"] += time.perf_counter() - t0  # decode, encode and write overlapped: < decode_s + encode_s
     t["videos"] += len(jobs)
     t["windows"] += done
-    t["source_s"] += probe.duration_s
-    heartbeat(probe.path, progress=(len(jobs), done, probe.duration_s))
+    t["source_s"] += probe.duration_s * jobs[0].share
+    heartbeat(probe.path, progress=(len(jobs), done, probe.duration_s * jobs[0].share))
 
 
 def _query_over_bound(query: str, tokenizer, bound: InputBound) -> str:
@@ -569,6 +606,26 @@ def _record(video: VideoJob, job: WindowJob, plan: FramePlan, times: list[float]
 
 
 # ----------------------------------------------------------------------------------------------- driver
+
+
+def split_long_videos(units: dict[str, list[VideoJob]], samples_per_shard: int) -> dict[str, list[VideoJob]]:
+    """A file with one annotation and more windows than a shard holds becomes pieces of consecutive windows
+    (as equal as possible, each <= samples_per_shard), each its own unit: a long video then spans several
+    shards, which run on several workers, instead of keeping one worker busy while the others idle. A piece
+    is decoded from its first window's keyframe on (one extra GOP per piece). Files with several annotations
+    (QVHighlights queries) stay whole: they are decoded once for all of them."""
+    out: dict[str, list[VideoJob]] = {}
+    for key, js in units.items():
+        n = len(js[0].windows)
+        if len(js) > 1 or n <= samples_per_shard:
+            out[key] = js
+            continue
+        pieces = -(-n // samples_per_shard)
+        bounds = [round(i * n / pieces) for i in range(pieces + 1)]
+        for p, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            out[f"{key}#{p}"] = [dataclasses.replace(js[0], windows=js[0].windows[a:b], share=(b - a) / n,
+                                                     negatives_dropped=js[0].negatives_dropped if p == 0 else 0)]
+    return out
 
 
 def _estimate_bytes(job: VideoJob, budget: VideoBudget) -> int:
@@ -677,11 +734,11 @@ def _build_locked(config: BuildConfig) -> dict:
     units: dict[str, list[VideoJob]] = {}
     for j in jobs:
         units.setdefault(j.source_path, []).append(j)
+    units = split_long_videos(units, config.samples_per_shard)
     shard_bytes = int(config.shard_size_mb * 2**20) if config.shard_size_mb else None
-    unit_groups = group_videos([(path, sum(len(j.windows) for j in js), sum(_estimate_bytes(j, budget) for j in js))
-                                for path, js in units.items()], config.samples_per_shard, shard_bytes)
-    groups = [[j.video_id for path in g for j in units[path]] for g in unit_groups]
-    by_id = {j.video_id: j for j in jobs}
+    unit_groups = group_videos([(key, sum(len(j.windows) for j in js), sum(_estimate_bytes(j, budget) for j in js))
+                                for key, js in units.items()], config.samples_per_shard, shard_bytes)
+    groups = [[j.label for key in g for j in units[key]] for g in unit_groups]
     with io_stage("plan", out / PLAN_FILE):
         _check_plan(out, config, groups)
         write_records(out / INPUT_REJECTS, input_rejects, RejectRecord)
@@ -692,8 +749,8 @@ def _build_locked(config: BuildConfig) -> dict:
                               bound=bound, prompt_layout=config.prompt_layout, jpeg_quality=config.jpeg_quality,
                               decoder=config.decoder, decode_timeout=config.decode_timeout,
                               decode_threads=decode_threads, encode_threads=encode_threads)
-    tasks = [ShardTask(index=i, out=out.absolute(), videos=[by_id[v] for v in g], settings=settings)
-             for i, g in enumerate(groups)]
+    tasks = [ShardTask(index=i, out=out.absolute(), videos=[j for key in g for j in units[key]], settings=settings)
+             for i, g in enumerate(unit_groups)]
     # --part K/N: every K-th shard (round robin: long and short videos spread over the parts)
     mine = tasks if part is None else [t for t in tasks if t.index % part[1] == part[0] - 1]
     if part is not None:
@@ -859,7 +916,8 @@ def _run_shards(tasks: list[ShardTask], config: BuildConfig) -> None:
             from prep import ray_distributor
 
             results = ray_distributor.distribute(process_shard, tasks, address=config.ray or None,
-                                                 in_flight=config.workers, stall_s=_stall_s(config), on_stall=on_stall)
+                                                 in_flight=config.workers, stall_s=_stall_s(config), on_stall=on_stall,
+                                                 warm=warm_shard_worker)
         with closing(results):
             for _, stats in results:
                 if config.ray is not None:  # no per-video beats cross the cluster: the bar moves per shard

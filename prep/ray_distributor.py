@@ -42,9 +42,13 @@ class RayUnavailable(RuntimeError):
 
 
 def run_watched(worker: Callable[[Any], Any], task: Any, stall_s: float | None,
-                on_stall: Callable[[Any, str, float], Any] | None) -> Any:
-    """Inside a Ray task: worker(task) in one forked child under the local watchdog; its result."""
+                on_stall: Callable[[Any, str, float], Any] | None, warm: Callable[[Any], None] | None = None) -> Any:
+    """Inside a Ray task: worker(task) in one forked child under the local watchdog; its result.
+    warm(task) runs first in the Ray worker itself, so every child forked from it inherits what it loaded
+    (the build loads its tokenizer there: ~2 CPU s per shard otherwise, measured on the 2-core box)."""
     faults.TASK_PROCESS = os.getpid()  # a kill_worker fault kills this Ray worker, not only the child
+    if warm is not None:
+        warm(task)
     with closing(local_distribute(worker, [task], processes=1, stall_s=stall_s, on_stall=on_stall)) as results:
         for _, result in results:
             return result
@@ -71,9 +75,10 @@ def connect(address: str | None) -> bool:
 
 def distribute(worker: Callable[[Any], Any], tasks: list, *, address: str | None = None, in_flight: int | None = None,
                stall_s: float | None = None, on_stall: Callable[[Any, str, float], Any] | None = None,
-               num_cpus: float = 1, max_retries: int = MAX_RETRIES,
-               task_timeout_s: float | None = None) -> Iterator[tuple[int, Any]]:
-    """Run worker(task) for every task as Ray tasks (at most `in_flight` at once; None: all); yield (index, result)."""
+               num_cpus: float = 1, max_retries: int = MAX_RETRIES, task_timeout_s: float | None = None,
+               warm: Callable[[Any], None] | None = None) -> Iterator[tuple[int, Any]]:
+    """Run worker(task) for every task as Ray tasks (at most `in_flight` at once; None: all); yield (index, result).
+    warm(task): run in the Ray worker process before the task's child is forked (see run_watched)."""
     if not tasks:
         return
     started = connect(address)
@@ -97,7 +102,7 @@ def distribute(worker: Callable[[Any], Any], tasks: list, *, address: str | None
             while todo or running:
                 while todo and len(running) < limit:
                     i, task = todo.pop()
-                    running[remote.remote(worker, task, stall_s, on_stall)] = i
+                    running[remote.remote(worker, task, stall_s, on_stall, warm)] = i
                 done, _ = ray.wait(list(running), num_returns=1, timeout=5.0)
                 if not done:
                     if task_timeout_s is not None and time.monotonic() - last > task_timeout_s:

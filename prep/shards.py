@@ -1,6 +1,7 @@
 """Stage 7: the shard as the unit of work (img2dataset style).
 
-A shard is a group of whole videos. Its files, in the order they are written:
+A shard is a group of whole videos (a video with more windows than a shard holds is cut into pieces of
+consecutive windows first, prep.build.split_long_videos). Its files, in the order they are written:
     shard-000000.tar.<pid>-<rand>.tmp  WebDataset tar being written (schemas/shard.py layout), a name
                                        only this writer uses (prep/outdir.py)
     shard-000000.samples.parquet       one SampleRecord per sample in the tar
@@ -162,7 +163,8 @@ def group_videos(weights: list[tuple[str, int, int]], samples_per_shard: int, sh
     """Greedy, deterministic grouping of whole videos into shards.
 
     weights: (unit, planned windows, estimated bytes) in the order to keep; a unit is a video file with
-    all its annotations (the build sorts them by annotation id). A unit never splits; a shard closes when the next video would push it past samples_per_shard or
+    all its annotations (the build sorts them by annotation id), or a piece of a long video
+    (prep.build.split_long_videos). A unit never splits here; a shard closes when the next video would push it past samples_per_shard or
     shard_bytes (a soft cap: a single large video still gets its own shard).
     """
     groups: list[list[str]] = []

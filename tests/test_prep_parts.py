@@ -1,14 +1,17 @@
-"""`prep build --part K/N` (one machine each, e.g. a Slurm array) then `--assemble`: the same build as one run.
+"""How a build is cut into work: `prep build --part K/N` (one machine each, e.g. a Slurm array) then
+`--assemble` give the same build as one run; a long video spans several shards with the same samples.
 
 Parts share the build lock (shared flock) and each holds its own part lock; a whole build waits for none of
 them and is refused while one runs; --assemble refuses while a shard is missing, naming it.
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from prep.build import BuildConfig, BuildError, build, cli
-from prep.outdir import LOCK_FILE, BuildLock, BuildLocked, part_lock_name
+from prep.outdir import LOCK_FILE, PLAN_FILE, BuildLock, BuildLocked, part_lock_name
 from schemas.build import BuildRecord
 from schemas.manifest import SampleRecord, read_records
 from conftest import BUILT_SHARDS_ARGS
@@ -54,3 +57,23 @@ def test_part_flags_are_checked_up_front(synth_videos_dir, tmp_path):
                      (dict(part="1/2", assemble=True), "--assemble takes no --part")):
         with pytest.raises(BuildError, match=text):
             build(BuildConfig(videos=synth_videos_dir, out=tmp_path / "out", **{**BUILT_SHARDS_ARGS, **kw}))
+
+
+def test_a_long_video_spans_several_shards_with_the_same_samples(synth_videos_dir, tmp_path):
+    """4 s windows: 5 per video. One shard per video (samples_per_shard 5) vs pieces of <= 2 windows (3 shards
+    per video, each decoded from its own seek): the same samples, the same frame bytes."""
+    args = {**BUILT_SHARDS_ARGS, "window_seconds": 4.0, "workers": 2}
+    whole = build(BuildConfig(videos=synth_videos_dir, out=tmp_path / "whole", **{**args, "samples_per_shard": 5}))
+    split = build(BuildConfig(videos=synth_videos_dir, out=tmp_path / "split", **{**args, "samples_per_shard": 2}))
+    assert (whole["shards"], split["shards"], whole["samples"], split["samples"]) == (4, 12, 20, 20)
+    a = {r.sample_id: r for r in read_records(tmp_path / "whole" / "manifest.parquet", SampleRecord)}
+    b = {r.sample_id: r for r in read_records(tmp_path / "split" / "manifest.parquet", SampleRecord)}
+    assert a.keys() == b.keys()
+    for sid, r in a.items():
+        assert (r.frame_indices, r.frame_sha256, r.input_ids_sha256) == (
+            b[sid].frame_indices, b[sid].frame_sha256, b[sid].input_ids_sha256), sid
+    plan = json.loads((tmp_path / "split" / PLAN_FILE).read_text())["shards"]
+    assert plan["shard-000000"] == ["vid_a@w0-1"] and plan["shard-000001"] == ["vid_a@w2-2"]
+    # the source seconds of a split video are counted once over its pieces
+    stats = [json.loads(p.read_text()) for p in (tmp_path / "split").glob("*.stats.json")]
+    assert abs(sum(s["source_s"] for s in stats) - 80.0) < 0.5
