@@ -334,9 +334,9 @@ def tar_keys(out):
 
 def test_kill_9_then_rerun_gives_every_sample_once(synth_videos_dir, tmp_path):
     out = tmp_path / "out"
-    # larger frames so each one-video shard takes a noticeable time to encode
+    # larger frames so each one-video shard (3 windows each) takes a noticeable time to encode
     args = ["--videos", str(synth_videos_dir), "--out", str(out), "--window-seconds", "8", "--fps", "4",
-            "--video-min-tokens", "128", "--video-max-tokens", "256", "--samples-per-shard", "1",
+            "--video-min-tokens", "128", "--video-max-tokens", "256", "--samples-per-shard", "3",
             "--workers", "1", "--no-progress"]
     proc = subprocess.Popen(run_cli(*args), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
@@ -362,7 +362,7 @@ def test_kill_9_then_rerun_gives_every_sample_once(synth_videos_dir, tmp_path):
     # --overwrite rebuilds every shard; the shards are byte-identical (fixed tar metadata, same JPEGs)
     stats_mtime = (out / "shard-000000.stats.json").stat().st_mtime_ns
     config = dict(videos=synth_videos_dir, out=out, window_seconds=8.0, fps=4.0, video_min_tokens=128,
-                  video_max_tokens=256, samples_per_shard=1, workers=1, progress=False)
+                  video_max_tokens=256, samples_per_shard=3, workers=1, progress=False)
     summary = build(BuildConfig(**config, overwrite=True))
     assert summary["shards_built"] == 4 and summary["shards_skipped"] == 0
     assert (out / "shard-000000.stats.json").stat().st_mtime_ns != stats_mtime
