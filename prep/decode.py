@@ -13,9 +13,9 @@ encoder start before the whole video is decoded.
 
 Resize (RESIZE): torch's uint8 bicubic with antialias=True straight to the planned (height, width), one
 intra-op thread per worker. That is the rule qwen-vl-utils applies (torchvision's resize of the decoded
-uint8 frames, bicubic, antialias=True), computed by torch's vectorized uint8 kernel: ~10x less CPU than PIL's
-bicubic (0.09 vs 1.02 CPU ms for a 640x272 -> 640x256 frame, 0.23 vs 2.25 for 640x360 -> 640x352, measured
-on the 2-core bench box). Tolerance, tested (tests/test_decoders.py): within 1 level (max absolute
+uint8 frames, bicubic, antialias=True), computed by torch's vectorized uint8 kernel: 7-10x less CPU than PIL's
+bicubic (CPU ms per frame, medians on the 2-core bench box: 640x360 -> 640x352 0.12 vs 1.25, 640x272 -> 640x256
+0.11 vs 0.84, 1280x720 -> 640x352 0.82 vs 6.48, 1280x720 -> 1280x704 0.61 vs 5.22). Tolerance, tested (tests/test_decoders.py): within 1 level (max absolute
 difference; mean <= 0.01) of PIL's bicubic, which the build used before and `prep verify` re-decodes with,
 and within 3 levels (mean <= 0.2; measured 0.13 on a 2x downscale) of qwen-vl-utils' torchvision path,
 exactly as close as PIL was (torchvision rounds its own way on downscales).
@@ -47,7 +47,10 @@ def resize_frame(frame: np.ndarray, height: int, width: int) -> np.ndarray:
     import torch
     import torch.nn.functional as F
 
-    x = torch.from_numpy(frame).permute(2, 0, 1).unsqueeze(0)  # a channels-last view, no copy
+    # (1, 3, H, W), channels last, with the canonical batch stride H*W*3 (a view, no copy): unsqueeze or
+    # frame[None] give batch strides 3 or 0, which the kernel takes 2-3x slower
+    h, w = frame.shape[:2]
+    x = torch.from_numpy(frame).reshape(1, h, w, 3).permute(0, 3, 1, 2)
     out = F.interpolate(x, size=(height, width), mode="bicubic", antialias=True, align_corners=False)
     return out[0].permute(1, 2, 0).contiguous().numpy()
 
