@@ -1,6 +1,8 @@
-"""Sequence parallelism (train/sequence_parallel.py) on CPU: N gloo ranks (plain processes, no DeepSpeed engine)
-split one sample of the tiny Qwen3-VL; loss and LoRA gradients summed over the group equal the one-rank
-model's own loss and gradients, the vision tower sharded by temporal group gives the full tower's embeddings.
+"""Sequence parallelism (train/sequence_parallel.py) on CPU with the tiny Qwen3-VL:
+- 4 gloo ranks (plain processes, no DeepSpeed engine) split one sample; loss and LoRA gradients summed over the
+  group equal the one-rank model's own loss and gradients, and the vision tower sharded by temporal group gives
+  the full tower's embeddings (its attention stays within a temporal group);
+- train.main with --sequence-parallel 2 on 2 ranks (DeepSpeed ZeRO-3, torchrun) trains like one process.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ def _spawn(n: int, *, model, shards, tmp_path, timeout: int = 120) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [4])  # 2 ranks: the train.main test below (loss, adapter)
 def test_sequence_parallel_loss_and_lora_gradients_equal_one_rank(tiny_cache, built_shards, tmp_path, n):
     got = _spawn(n, model=tiny_cache / "tiny_qwen3_vl", shards=built_shards, tmp_path=tmp_path)
     t = sum(g[0] for g in got["grid"])
@@ -87,3 +89,57 @@ def test_unsupported_batches_and_models_are_refused_with_the_reason(tiny_cache):
     one = {"input_ids": torch.ones(1, 8, dtype=torch.long)}
     assert any("Qwen3-VL only" in p and "linear-attention" in p for p in sp_problems(q35, one, 2))
     assert sp_problems(vl, one, 2) == []
+
+
+def test_train_main_sequence_parallel_2_ranks_trains_like_one_process(tiny_cache, built_shards, tmp_path):
+    """torchrun 2 ranks with --sequence-parallel 2 (DeepSpeed ZeRO-3 on CPU) against plain one-process training
+    of the same two samples: same per-step losses, same adapter, one ledger writer for the one data slot."""
+    from safetensors.torch import load_file
+
+    from tests.train_helpers import events, explain, launch, steps, subset_shards
+
+    shards = subset_shards(built_shards, tmp_path / "shards", ["vid_c/w0000", "vid_a/w0001"])
+    common = ["--shards", str(shards), "--cache-dir", str(tiny_cache), "--model-family", "qwen3_vl", "--dtype", "fp32",
+              "--lora-dropout", "0", "--lr", "1e-2", "--warmup-steps", "0", "--num-workers", "0", "--epochs", "1"]
+    sp = launch(["--output-dir", str(tmp_path / "sp"), *common, "--sequence-parallel", "2"], nproc=2, timeout=240)
+    assert sp.returncode == 0, explain(sp)
+    ref = launch(["--output-dir", str(tmp_path / "ref"), *common], nproc=0, timeout=240)
+    assert ref.returncode == 0, explain(ref)
+    for r in (0, 1):
+        (layout,) = events(tmp_path / "sp", r, "sequence_parallel")
+        assert (layout["size"], layout["dp_rank"], layout["sp_rank"], layout["dp_world"]) == (2, 0, r, 1)
+    a, b = steps(tmp_path / "sp", 0), steps(tmp_path / "ref", 0)
+    assert sorted(a) == sorted(b) == [0, 1] and steps(tmp_path / "sp", 1).keys() == a.keys()
+    for s in a:
+        assert a[s]["sample_ids"] == b[s]["sample_ids"] == steps(tmp_path / "sp", 1)[s]["sample_ids"]
+        assert a[s]["loss"] == pytest.approx(b[s]["loss"], rel=1e-4), (s, a[s]["loss"], b[s]["loss"])
+    assert sorted(p.name for p in (tmp_path / "sp" / "ledger").iterdir()) == ["rank0.jsonl"]
+    (ledger,) = events(tmp_path / "sp", 0, "ledger")
+    assert ledger["ok"] and "2/2 planned samples consumed exactly once" in ledger["message"]
+    x = load_file(str(tmp_path / "sp" / "adapter" / "adapter_model.safetensors"))
+    y = load_file(str(tmp_path / "ref" / "adapter" / "adapter_model.safetensors"))
+    assert x.keys() == y.keys() and len(x) > 0
+    scale = max(v.abs().max().item() for v in y.values())
+    assert max((x[k] - y[k]).abs().max().item() for k in x) <= 1e-4 * scale
+
+
+def test_train_main_refuses_sequence_parallel_it_cannot_run(tmp_path):
+    from train.config import ConfigError, parse_config
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "manifest.parquet").write_bytes(b"")
+    base = ["--shards", str(shards), "--output-dir", str(tmp_path / "run")]
+    with pytest.raises(ConfigError) as e:
+        parse_config([*base, "--sequence-parallel", "2", "--micro-batch-size", "2", "--finetune", "full",
+                      "--unfreeze-merger"])
+    msg = str(e.value)
+    assert "splits one sample" in msg and "--finetune lora" in msg and "frozen vision tower" in msg
+    with pytest.raises(ConfigError, match="--sequence-parallel must be >= 1"):
+        parse_config([*base, "--sequence-parallel", "0"])
+    assert parse_config([*base, "--sequence-parallel", "2"]).sequence_parallel == 2
+    from train.sequence_parallel import SequenceParallelError, rank_layout
+
+    assert [rank_layout(r, 4, 2) for r in range(4)] == [(0, 0, 2), (0, 1, 2), (1, 0, 2), (1, 1, 2)]
+    with pytest.raises(SequenceParallelError, match="world size 3 is not a multiple"):
+        rank_layout(0, 3, 2)

@@ -89,6 +89,7 @@ class TrainConfig:
     vision_chunk_frames: int = 64  # frames per vision-tower pass (0: a micro-batch's videos at once)
     loss_impl: str = "auto"  # auto | torch | chunked | liger (train/loss.py)
     pack: bool = False  # pack a micro-batch's samples into one row (needs --max-tokens-per-batch)
+    sequence_parallel: int = 1  # ranks one sample's tokens are split over (train/sequence_parallel.py)
     quantize_base: str | None = None  # nf4 | int8: the frozen base in bitsandbytes (CUDA, LoRA)
     linear_attention: str = "auto"  # Qwen3.5: auto | fla | torch (train/kernels.py)
     save_every: int = 0  # checkpoint every N optimizer steps (0: never; the final weights are always saved)
@@ -181,9 +182,28 @@ class TrainConfig:
         if self.dtype not in DTYPES:
             p.append(f"--dtype {self.dtype!r}: choose one of {'|'.join(DTYPES)}")
         p += self.lever_problems()
+        p += self.sequence_parallel_problems()
         if p:
             raise ConfigError("invalid training config:\n  - " + "\n  - ".join(p))
 
+
+    def sequence_parallel_problems(self) -> list[str]:
+        """--sequence-parallel's rules (the world size, heads and the batch are checked at setup and per step)."""
+        n = self.sequence_parallel
+        if n < 1:
+            return [f"--sequence-parallel must be >= 1, got {n}"]
+        if n == 1:
+            return []
+        p = []
+        if self.micro_batch_size != 1 or self.max_tokens_per_batch is not None or self.pack:
+            p.append("--sequence-parallel splits one sample: use --micro-batch-size 1 without "
+                     "--max-tokens-per-batch / --pack")
+        if not self.lora:
+            p.append("--sequence-parallel supports --finetune lora (the loss gathers a frozen lm_head)")
+        if not self.vision_frozen:
+            p.append("--sequence-parallel needs a frozen vision tower (its sharded outputs are exchanged without "
+                     "autograd): drop --unfreeze-vision / --unfreeze-merger")
+        return p
 
     @property
     def vision_frozen(self) -> bool:
@@ -354,6 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pack", action="store_true",
                    help="pack each micro-batch's samples into one row (no padding, no attention across samples, "
                    "per-sample positions) up to --max-tokens-per-batch tokens; Qwen3-VL only")
+    g.add_argument("--sequence-parallel", type=int, default=d.sequence_parallel, metavar="N",
+                   help="split each sample's tokens over N ranks (Ulysses attention, vision tower sharded by "
+                   "temporal group; Qwen3-VL, LoRA, one sample per micro-batch); the world size must be a "
+                   "multiple of N and the plan deals samples over world/N groups")
     g.add_argument("--quantize-base", choices=QUANTIZE, default=None,
                    help="hold the frozen base in bitsandbytes nf4/int8 (QLoRA; CUDA, LoRA, ZeRO <= 2)")
     g.add_argument("--linear-attention", choices=("auto", "fla", "torch"), default=d.linear_attention,

@@ -66,6 +66,10 @@ from train.ledger import append_ledger, check_ledger
 from train.activations import Checkpointing, apply_checkpointing
 from train.kernels import KernelError, attention_problem, route_linear_attention
 from train.loss import LossSpec, causal_lm_loss, liger_problem, resolve_loss_impl
+from train.sequence_parallel import SequenceParallelError, sequence_parallel_loss, ulysses
+from train.sequence_parallel import model_problems as sp_model_problems
+from train.sequence_parallel import new_groups as sp_new_groups
+from train.sequence_parallel import rank_layout as sp_layout
 from train.plan import PlanConfig, PlanError, global_steps, plan_run, total_steps
 from train.run_record import build_run_record, update_run_record, write_json
 
@@ -128,12 +132,23 @@ class Recipe:
         self.log = RunLog(self.run_dir, self.rank)
         self.tracker = PhaseTracker(self.run_dir, self.rank)  # phase, fault hook and memory of this rank
         self.log.event("start", argv=sys.argv, world_size=self.world_size, device=str(self.device))
+        # Sequence parallel: consecutive groups of N ranks share one sample, so the plan deals samples over
+        # world / N data-parallel slots and the ledger has one writer per slot (train/sequence_parallel.py).
+        self.sp = cfg.sequence_parallel
+        try:
+            self.dp_rank, self.sp_rank, self.dp_world = sp_layout(self.rank, self.world_size, self.sp)
+        except SequenceParallelError as e:
+            raise ConfigError(str(e)) from None
+        self.sp_group = sp_new_groups(self.rank, self.world_size, self.sp) if self.sp > 1 else None
+        if self.sp > 1:
+            self.log.event("sequence_parallel", size=self.sp, dp_rank=self.dp_rank, sp_rank=self.sp_rank,
+                           dp_world=self.dp_world)
 
         # 1. Plan every epoch from the manifest, before anything heavy: a world size that leaves a rank
         #    without a batch, or a tail that does not fit, stops here with the numbers.
         self.store = SampleStore(cfg.shards)
         self.store.check_layout(cfg.prompt_layout)
-        self.plan_config = PlanConfig(world_size=self.world_size, micro_batch_size=cfg.micro_batch_size,
+        self.plan_config = PlanConfig(world_size=self.dp_world, micro_batch_size=cfg.micro_batch_size,
                                       grad_accum=cfg.grad_accum, seed=cfg.seed, tail=cfg.tail,
                                       max_tokens_per_batch=cfg.max_tokens_per_batch, pack=cfg.pack)
         self.plans = plan_run(list(self.store.records.values()), self.plan_config, epochs=cfg.epochs,
@@ -167,6 +182,8 @@ class Recipe:
         self.model_config = AutoConfig.from_pretrained(self.model_dir)
         self.vision = VisionSpec.from_model_config(self.model_config)
         self.tokenizer = load_tokenizer(str(self.model_dir))
+        if self.sp > 1 and (problems := sp_model_problems(self.family, self.model_config.text_config, self.sp)):
+            raise ConfigError("; ".join(problems))
 
         # 2b. The levers that depend on the device and the family, checked before anything heavy.
         self._check_levers()
@@ -209,13 +226,13 @@ class Recipe:
                                     plan_sha256=self.plan_sha256)
             self.start_step = self.steps_done = state.global_step
             self._resume_rng = state.rng
-            kept = carry_ledger(cfg.resume, self.run_dir, self.rank, self.start_step)
+            kept = carry_ledger(cfg.resume, self.run_dir, self.dp_rank, self.start_step) if self.sp_rank == 0 else 0
             self.log.event("resume", from_dir=str(cfg.resume), checkpoint=choice.tag, skipped=choice.skipped,
                            latest=choice.latest, global_step=self.start_step, ledger_lines_kept=kept)
             self.log.say(f"resumed from {choice.path} at global step {self.start_step} of {self.total_steps}")
 
         # 9. Data: this rank's micro-batches from the resume point on, read and collated ahead by workers.
-        self.steps = list(global_steps(self.plans, self.rank, start=self.start_step))
+        self.steps = list(global_steps(self.plans, self.dp_rank, start=self.start_step))
         micro_batches = [mb for _, _, _, accum in self.steps for mb in accum]
         self.loader = rank_loader(
             self.store, micro_batches, self.vision, video_token_id=self.model_config.video_token_id,
@@ -400,17 +417,19 @@ class Recipe:
                 self.current_meta = meta
                 metas.append(meta)
                 tensors = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
-                with self.tracker.phase("first_forward" if step == self.start_step and not losses else "forward", step):
-                    loss = self.forward_loss(tensors)
-                with self.tracker.phase("backward", step):
-                    engine.backward(loss)
+                with self._sp_scope():  # backward too: checkpointing recomputes the attention there
+                    with self.tracker.phase("first_forward" if step == self.start_step and not losses else "forward", step):
+                        loss = self.forward_loss(tensors)
+                    with self.tracker.phase("backward", step):
+                        engine.backward(loss)
                 with self.tracker.phase("optimizer_step", step):
                     engine.step()  # DeepSpeed steps the optimizer (and clips) only at the accumulation boundary
-                losses.append(loss.detach().float().item())
+                losses.append(self._sample_loss(loss))
             step_mem = self.tracker.end_step()  # per-phase peaks of this step; the memory file written once
             self.steps_done = step + 1
             self.current_meta = None
-            append_ledger(self.run_dir, step, self.rank, accum)
+            if self.sp_rank == 0:  # one ledger writer per data-parallel slot
+                append_ledger(self.run_dir, step, self.dp_rank, accum)
             seconds = time.time() - t0
             tokens = sum(sum(m.input_tokens) for m in metas)
             grad_norm = engine.get_global_grad_norm()
@@ -440,7 +459,26 @@ class Recipe:
         self.log.bar = None
 
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.sp > 1:
+            # DeepSpeed averages gradients over every rank; the group's partial losses sum to the sample's
+            # loss, so each is scaled by N to keep the per-sample weighting of a plain data-parallel run.
+            partial, _ = sequence_parallel_loss(self.engine, batch, self.sp_group,
+                                                chunk_positions=self.loss_spec.chunk_positions)
+            return partial * self.sp
         return causal_lm_loss(self.engine, batch, self.loss_spec)
+
+    def _sp_scope(self):
+        import contextlib
+
+        return ulysses(self.engine, self.sp_group) if self.sp > 1 else contextlib.nullcontext()
+
+    def _sample_loss(self, loss: torch.Tensor) -> float:
+        """The micro-batch's loss as logged: under sequence parallel the group's partial losses summed."""
+        value = loss.detach().float()
+        if self.sp > 1:
+            value = value / self.sp
+            torch.distributed.all_reduce(value, group=self.sp_group)
+        return value.item()
 
     def _loss_spec(self) -> LossSpec:
         """How forward and loss run (train/loss.py), with --loss-impl auto decided for this run's ZeRO stage."""

@@ -220,6 +220,11 @@ def sp_problems(model, batch: dict[str, torch.Tensor], size: int) -> list[str]:
         problems.append("the sample is padded; sequence parallel takes one unpadded row")
     if "pack_lengths" in batch:
         problems.append("packed rows are not supported under sequence parallel")
+    grid = batch.get("video_grid_thw")
+    if grid is not None and int(grid[:, 0].sum()) < size:
+        # every rank must run the tower (under ZeRO-3 its parameter gathers are collectives)
+        problems.append(f"{int(grid[:, 0].sum())} temporal groups in the video, fewer than the {size} ranks "
+                        "that shard the vision tower")
     return problems
 
 
@@ -277,3 +282,34 @@ def sequence_parallel_loss(model, batch: dict[str, torch.Tensor], group, *, chun
     hidden = out.last_hidden_state[keep]
     local = chunked_cross_entropy(hf.get_output_embeddings(), hidden, target[keep], chunk=chunk_positions)
     return local * (int(keep.sum()) / max(supervised_total, 1)), supervised_total
+
+
+# ------------------------------------------------------------------------------------------------ layout
+def rank_layout(rank: int, world_size: int, size: int) -> tuple[int, int, int]:
+    """(data-parallel rank, rank within its sequence-parallel group, data-parallel world) when consecutive
+    ranks [k*size, (k+1)*size) share one sample (within one host first: the all-to-all is the busiest link)."""
+    if size < 1 or world_size % size:
+        raise SequenceParallelError(f"--sequence-parallel {size}: the world size {world_size} is not a multiple of it")
+    return rank // size, rank % size, world_size // size
+
+
+def new_groups(rank: int, world_size: int, size: int):
+    """This rank's sequence-parallel process group. Every rank creates every group, in the same order
+    (torch.distributed requires it), and keeps its own."""
+    mine = None
+    for k in range(world_size // size):
+        group = dist.new_group(list(range(k * size, (k + 1) * size)))
+        if k == rank // size:
+            mine = group
+    return mine
+
+
+def model_problems(family: str, text_config, size: int) -> list[str]:
+    """What the model's family and heads allow, from config.json alone (checked before the load)."""
+    p = []
+    if family != "qwen3_vl":
+        p.append(f"--sequence-parallel supports qwen3_vl, not {family} (Qwen3.5's linear-attention layers carry "
+                 "state along the sequence)")
+    if text_config.num_attention_heads % size:
+        p.append(f"--sequence-parallel {size}: {text_config.num_attention_heads} attention heads do not split over it")
+    return p
