@@ -427,8 +427,9 @@ def markdown_section(res: dict, command: str, videos_label: str) -> str:
     lines += [f"- {name}: {'met' if ok else 'NOT met'}" for name, ok in res["targets_met"].items()]
     lines += [
         "",
-        "What the legs include: `build` is the whole `prep build` (probe, plan, tokenize, decode once per video, PIL "
-        "bicubic resize + JPEG q95 in encode threads while the next window decodes, tar + parquet + build.json); "
+        "What the legs include: `build` is the whole `prep build` (probe, plan, tokenize, decode once per video, torch "
+        "uint8 bicubic antialias resize + JPEG q95 in encode threads while the next window decodes, tar + parquet + "
+        "build.json); `ray` is the same build as Ray tasks on a local cluster; "
         "`fetch` is only `qwen_vl_utils.fetch_video` per window (decord + torchvision bicubic resize to the same size), "
         "nothing written; `floor` is decord `get_batch` of the frames needed with the build's decoder threads, nothing "
         "else. With 2 cores, \"near-linear\" can only be checked from 1 to 2 workers, and at 1 worker the build already "
