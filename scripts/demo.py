@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("demo"), help="output folder (emptied first)")
     ap.add_argument("--steps", type=int, help="training steps (default: the recipe's)")
     ap.add_argument("--train-videos", type=int, help="synthetic training videos (default: the recipe's)")
-    ap.add_argument("--test-videos", type=int, help="synthetic held-out videos (default: the recipe's)")
+    ap.add_argument("--test-videos", type=int, default=8, help="synthetic held-out videos (a page of them to browse)")
     ap.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     args = ap.parse_args()
     import torch

@@ -3,7 +3,7 @@
     python -m scripts.screenshot demo/review.html docs/review.png [--width 1240 --height 1000]
 
 docs/review.png in the README is this, taken from a demo run (`python -m scripts.demo --out demo`). The
-first video card's second predicted segment is clicked first, so the player and playhead show a seek.
+first predicted segment on the page is clicked first, so its player and playhead show a seek.
 """
 from __future__ import annotations
 
@@ -23,11 +23,11 @@ def screenshot(page: Path, out: Path, *, width: int = 1240, height: int = 1000, 
         try:
             tab = browser.new_page(viewport={"width": width, "height": height})
             tab.goto(page.resolve().as_uri(), timeout=30_000)
-            tab.wait_for_function("[...document.querySelectorAll('video')].every(v => v.readyState >= 2)", timeout=30_000)
-            segs = tab.locator("section.video").first.locator(".seg.pred")
+            tab.wait_for_function("[...document.querySelectorAll('video')].every(v => v.readyState >= 4)", timeout=30_000)
+            segs = tab.locator(".seg.pred")  # the first predicted segment on the page: the player shows the seek
             if segs.count():
-                segs.nth(min(1, segs.count() - 1)).click()
-                tab.wait_for_timeout(800)
+                segs.first.click()
+            tab.wait_for_timeout(2000)
             out.parent.mkdir(parents=True, exist_ok=True)
             tab.screenshot(path=str(out))
         finally:

@@ -1,7 +1,8 @@
 """Synthetic videos with known event times, written with PyAV.
 
-An "event" is a bright colored square that moves across a textured, slowly drifting background while it is
-on; outside events only the background shows. The annotation of a video is its list of event spans, so a
+An "event" is a bright colored square that moves over a textured, slowly drifting background while it is
+on (across the frame once per event, or bouncing at constant speed: VideoSpec.motion); outside events only
+the background shows. The annotation of a video is its list of event spans, so a
 model that learns the task must learn to see the square. Used by the tests (codecs, sizes, fps, portrait,
 odd sizes) and by the learnability dataset.
 
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+BOUNCE_PX_S = 40.0  # square speed of motion="bounce", pixels per second
+
 CONTAINER = {"libx264": "mp4", "h264": "mp4", "mpeg4": "mp4", "hevc": "mp4", "libx265": "mp4",
              "libvpx-vp9": "webm", "libvpx": "webm", "mjpeg": "avi", "libsvtav1": "mkv"}
 
@@ -33,6 +36,10 @@ class VideoSpec:
     events: tuple[tuple[float, float], ...] = ()  # [start_s, end_s) spans where the square is visible
     seed: int = 0
     square_frac: float = 1 / 3  # square side as a fraction of the shorter frame side
+    # how the square moves during an event: "sweep" = left edge to right edge over the event (its position
+    # tells how far the event has run, so the first and last frames look unlike the rest); "bounce" = back
+    # and forth at BOUNCE_PX_S from a start position of its own, so any frame of an event looks like any other
+    motion: str = "sweep"
 
     @property
     def filename(self) -> str:
@@ -48,8 +55,12 @@ def render_frame(spec: VideoSpec, i: int, texture: np.ndarray) -> np.ndarray:
     for k, (start, end) in enumerate(spec.events):
         if start <= t < end:
             side = max(4, int(min(h, w) * spec.square_frac + 1e-9))  # + 1e-9: 1/3 gives exactly // 3
-            progress = (t - start) / max(end - start, 1e-6)
-            x = int(progress * (w - side))
+            travel = max(1, w - side)
+            if spec.motion == "bounce":
+                offset = (spec.seed * 7919 + k * 104729) % (2 * travel) + BOUNCE_PX_S * (t - start)
+                x = int(travel - abs(offset % (2 * travel) - travel))
+            else:
+                x = int((t - start) / max(end - start, 1e-6) * travel)
             y = (h - side) // 2
             color = [(255, 40, 40), (40, 255, 40), (40, 80, 255)][k % 3]
             frame[y:y + side, x:x + side] = color
