@@ -96,8 +96,10 @@ def test_review_page_in_headless_chromium(page):
             tab.goto(html_path.as_uri(), timeout=30_000)
             tab.wait_for_function("[...document.querySelectorAll('video')].every(v => v.readyState >= 1)",
                                   timeout=30_000)  # every source video loads from its relative path
-            sizes = tab.eval_on_selector_all("img.thumb", "els => els.map(e => e.complete && e.naturalWidth)")
-            assert len(sizes) == 64 and all(w > 0 for w in sizes)  # every filmstrip image decodes
+            assert tab.locator("img.thumb").count() == 64
+            tab.wait_for_function("[...document.querySelectorAll('img.thumb')].every(e => e.complete)", timeout=30_000)
+            sizes = tab.eval_on_selector_all("img.thumb", "els => els.map(e => e.naturalWidth)")
+            assert all(w > 0 for w in sizes), sizes  # every filmstrip image decoded
 
             # vid_a: predicted keep starts at 1.5 s; clicking its second segment seeks there
             card = tab.locator("section.video").filter(has_text="vid_a")
@@ -106,7 +108,8 @@ def test_review_page_in_headless_chromium(page):
             segs.nth(1).click()
             tab.wait_for_function(f"Math.abs(document.querySelector('#{card.get_attribute('id')} video').currentTime"
                                   f" - {second}) < 0.05", timeout=10_000)
-            assert card.locator(".now").inner_text().startswith(f"{second:.1f}")  # the playhead followed
+            now = f"#{card.get_attribute('id')} .now"  # the time readout follows (timeupdate fires after the seek)
+            tab.wait_for_function(f"document.querySelector('{now}').textContent.startsWith('{second:.1f}')", timeout=10_000)
 
             # "play keep only" starts at the first keep segment and plays
             keep = json.loads(card.get_attribute("data-keep"))
