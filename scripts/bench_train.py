@@ -1,41 +1,110 @@
-"""Training step benchmark at real model sizes (random weights): our trainer in several configurations,
-side by side in one run on the same machine, optionally next to the plain-stack anchor script.
+"""Training-step benchmark: train.main configurations next to the plain stack, in one call on one machine.
 
-Each mode is one `torchrun --nproc_per_node N -m train.main ...` over the same shards: one window of
-`--frames` frames at `--tokens-per-frame` visual tokens per temporal group (a square synthetic video sized
-so the budget gives exactly that grid, e.g. 64 frames x 196 tokens -> grid [32, 28, 28]). Reported per
-mode: median step seconds (first step excluded), tokens/s, peak allocated / reserved GiB per rank and phase.
+Each leg is one `train.main` run (torchrun, --nproc ranks) over synthetic shards: --frames frames per window
+at --tokens-per-frame merged tokens per temporal group (a square video sized so the budget gives exactly
+that grid: 196 -> [frames/2, 28, 28]), or one run of the plain-stack anchor script
+(shared/anchors/plain_stack_step.py) with the same geometry. --mem-cap GiB caps every leg's CUDA memory
+(torch per-process memory fraction: a small card). Per leg (first step excluded):
 
-Run (GPU): python -m scripts.bench_train --size qwen3_vl_4b --frames 64 --tokens-per-frame 196 --nproc 2 \
-               --steps 6 --modes zero3,zero2 --out bench_out [--anchor path/to/plain_stack_step.py]
+- step_s: median seconds per optimizer step; tokens_per_s: input tokens of all ranks per second;
+- mfu: useful FLOPs per step (train/flops.py: LoRA 4·N·T on the language model, causal attention with
+  recompute, the lm_head at supervised positions, the vision forward) / (step_s x ranks x the GPU's dense
+  bf16 peak: train.flops.PEAK_BF16_TFLOPS or --peak-tflops);
+- peak allocated / reserved GiB per phase (rank 0, and the max over ranks), next to the memory planner's
+  prediction for the configuration the run resolved (train/memplan.py) and its error;
+- data_wait_share: median share of the step spent waiting for the loader (the `data` phase).
+
+Legs are named configurations (LEGS below) at a size and frame count: `auto` is the stack that ships (the
+planner picks), `plain` is the original Video-ORA setup through train.main, the others move one lever.
+Results go to OUT/results.jsonl as each leg ends (a killed call keeps what finished), OUT/results.json and
+a markdown table at the end; OUT/env.json records the package versions and devices.
+
+  python -m scripts.bench_train --legs anchor,auto,plain,zero2,zero3 --frames 64 --nproc 1 --out /tmp/bt \\
+      [--mem-cap 12] [--size qwen3_vl_4b] [--budget-s 560]
+  python -m scripts.bench_train --matrix issue9 --out $OUT/bench     # everything issue 9 asks for, by priority
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-# name -> extra train.main flags. "plain" = the original Video-ORA setup (ZeRO-3, 5e6 buckets, logits at
-# every position), the stack the anchor measures.
-MODES = {
-    "plain": ["--zero-stage", "3", "--full-logits"],
-    "zero3": ["--zero-stage", "3"],
-    "zero2": ["--zero-stage", "2"],
-    "zero3_big_buckets": ["--zero-stage", "3", "--reduce-bucket-size", "5e8", "--prefetch-bucket-size", "5e8",
-                          "--param-persistence-threshold", "1e6"],
+REPO = Path(__file__).resolve().parent.parent
+# The plain-stack anchor script: inside the checkout (how a device call carries it) or beside it.
+ANCHORS = (REPO / "shared" / "anchors" / "plain_stack_step.py", REPO.parent / "shared" / "anchors" / "plain_stack_step.py")
+TOKENS_PER_GROUP = 196
+
+# name -> train.main flags. {pack_budget} becomes twice the window's input tokens (two windows per row).
+LEGS: dict[str, tuple[str, ...]] = {
+    "auto": (),
+    "plain": ("--preset", "video-ora-zero3", "--full-logits", "--no-vision-no-grad", "--vision-chunk-frames", "0",
+              "--gradient-checkpointing", "all"),
+    "zero2": ("--zero-stage", "2", "--gradient-checkpointing", "all"),
+    "zero3": ("--zero-stage", "3", "--gradient-checkpointing", "all"),
+    "zero3-big-buckets": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--reduce-bucket-size", "5e8",
+                          "--prefetch-bucket-size", "5e8", "--param-persistence-threshold", "1e6"),
+    "zero2-ckpt-none": ("--zero-stage", "2", "--gradient-checkpointing", "none"),
+    "zero2-every-2": ("--zero-stage", "2", "--gradient-checkpointing", "every-2"),
+    "zero2-loss-torch": ("--zero-stage", "2", "--gradient-checkpointing", "all", "--loss-impl", "torch"),
+    "zero2-liger": ("--zero-stage", "2", "--gradient-checkpointing", "all", "--loss-impl", "liger"),
+    "zero2-vision-in-forward": ("--zero-stage", "2", "--gradient-checkpointing", "all", "--no-vision-no-grad",
+                                "--vision-chunk-frames", "0"),
+    "zero2-eager": ("--zero-stage", "2", "--gradient-checkpointing", "all", "--attention", "eager"),
+    "zero2-fa2": ("--zero-stage", "2", "--gradient-checkpointing", "all", "--attention", "flash_attention_2"),
+    "zero2-offload-act": ("--zero-stage", "2", "--gradient-checkpointing", "all", "--offload-activations"),
+    "zero2-nf4": ("--zero-stage", "2", "--gradient-checkpointing", "all", "--quantize-base", "nf4"),
+    "zero2-int8": ("--zero-stage", "2", "--gradient-checkpointing", "all", "--quantize-base", "int8"),
+    "zero3-offload-opt": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--offload-optimizer"),
+    "zero3-offload-params": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--offload-optimizer",
+                             "--offload-params"),
+    "pack2": ("--pack", "--max-tokens-per-batch", "{pack_budget}"),
+    "linear-fla": ("--linear-attention", "fla"),
+    "linear-torch": ("--linear-attention", "torch"),
 }
 
 
-def make_shards(out: Path, frames: int, tokens_per_frame: int, samples: int) -> Path:
-    """Square synthetic videos whose budgeted grid is [frames/2, 2*s, 2*s] with s*s = tokens_per_frame."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Leg:
+    """One measurement: a configuration at a size, frame count and memory cap."""
+
+    config: str  # a LEGS name, or "anchor" (the plain-stack script)
+    size: str = "qwen3_vl_4b"
+    frames: int = 64
+    cap_gib: float | None = None
+
+    @property
+    def name(self) -> str:
+        cap = f"-cap{self.cap_gib:g}" if self.cap_gib else ""
+        return f"{self.size}-{self.frames}f-{self.config}{cap}"
+
+
+def issue9_matrix() -> list[Leg]:
+    """Every measurement issue 9 asks for, most important first (a time budget cuts from the end)."""
+    vl4, vl8, q9, q4 = "qwen3_vl_4b", "qwen3_vl_8b", "qwen3_5_9b", "qwen3_5_4b"
+    legs = [Leg(config=c) for c in ("anchor", "auto", "plain", "zero2", "zero3")]
+    legs += [Leg(config="auto", frames=f, cap_gib=12) for f in (64, 128, 256)]
+    legs += [Leg(config="auto", frames=f) for f in (512, 1024)]
+    legs += [Leg(config="auto", size=vl8), Leg(config="auto", size=q9), Leg(config="linear-torch", size=q9)]
+    legs += [Leg(config=c) for c in ("zero2-ckpt-none", "zero2-loss-torch", "zero2-vision-in-forward", "zero2-eager",
+                                     "zero2-offload-act", "pack2", "zero2-nf4", "zero2-fa2", "zero2-liger",
+                                     "zero3-big-buckets", "zero3-offload-opt")]
+    legs += [Leg(config="auto", size=q4), Leg(config="anchor", cap_gib=12), Leg(config="zero2-nf4", cap_gib=12)]
+    return legs
+
+
+# ------------------------------------------------------------------------------------------------- inputs
+def make_shards(out: Path, frames: int, tokens_per_frame: int, samples: int, workers: int = 8) -> Path:
+    """Square synthetic videos whose budgeted grid is [frames/2, 2s, 2s] with s*s = tokens_per_frame."""
     from scripts.synth_videos import VideoSpec, write_dataset
 
-    shards = out / "shards"
+    shards = out / f"shards_{frames}f_{tokens_per_frame}t_{samples}s"
     if (shards / "build.json").exists():
         return shards
     side = int(math.isqrt(tokens_per_frame))
@@ -45,95 +114,325 @@ def make_shards(out: Path, frames: int, tokens_per_frame: int, samples: int) -> 
     window = frames / 2.0  # sampled at 2 fps
     specs = [VideoSpec(name=f"bench_{i}", duration_s=window, fps=4, width=px, height=px,
                        events=((window * 0.25, window * 0.6),), seed=i) for i in range(samples)]
-    videos = write_dataset(out / "videos", specs)
+    videos = write_dataset(out / f"videos_{frames}f_{tokens_per_frame}t_{samples}s", specs)
     cmd = [sys.executable, "-m", "prep", "build", "--videos", str(videos), "--out", str(shards),
            "--window-seconds", str(window), "--video-max-tokens", str(tokens_per_frame),
-           "--video-min-tokens", str(min(128, tokens_per_frame)), "--no-progress"]
-    subprocess.run(cmd, check=True)
+           "--video-min-tokens", str(min(128, tokens_per_frame)), "--workers", str(workers), "--no-progress"]
+    subprocess.run(cmd, check=True, cwd=REPO, timeout=1800)
     return shards
 
 
 def make_model(out: Path, size: str) -> Path:
+    """The random-weight model of a train/configs shape (initialized on the GPU when there is one)."""
     import torch
 
     from train.models import create_random_model
 
     model = out / f"model_{size}"
     if not (model / "config.json").exists():
-        create_random_model(size, model, dtype=torch.bfloat16)
+        create_random_model(size, model, dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available() else "cpu")
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return model
 
 
-def step_stats(run: Path) -> dict:
-    steps = [json.loads(line) for f in sorted((run / "logs").glob("rank*.jsonl")) for line in open(f)]
-    steps = [s for s in steps if s.get("event") == "step"]
-    by_rank = {}
-    for s in steps:
-        by_rank.setdefault(s["rank"], []).append(s)
-    secs = [s["seconds"] for s in by_rank.get(0, [])[1:]]
-    return {
-        "steps": len(by_rank.get(0, [])),
-        "step_s_median": round(statistics.median(secs), 3) if secs else None,
-        "step_s_all": [round(x, 3) for x in secs],
-        "input_tokens": by_rank[0][0]["input_tokens"] if by_rank else None,
-        "peak_alloc_gib": {r: max(s["peak_alloc_gib"] for s in v) for r, v in by_rank.items()},
-        "peak_reserved_gib": {r: max(s["peak_reserved_gib"] for s in v) for r, v in by_rank.items()},
-        "loss_last": by_rank[0][-1]["loss"] if by_rank else None,
-    }
+def environment() -> dict:
+    """Package versions and devices, recorded with every result."""
+    from importlib import metadata
+
+    versions = {}
+    for pkg in ("torch", "transformers", "deepspeed", "peft", "triton", "flash-linear-attention", "fla-core",
+                "causal-conv1d", "flash-attn", "liger-kernel", "bitsandbytes", "accelerate"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    from train.memory import device_info
+
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,memory.used,driver_version",
+                          "--format=csv,noheader"], capture_output=True, text=True, timeout=60) \
+        if subprocess.run(["which", "nvidia-smi"], capture_output=True).returncode == 0 else None
+    return {"python": sys.version.split()[0], "packages": versions, "devices": device_info(),
+            "nvidia_smi": smi.stdout.strip() if smi is not None else None, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="qwen3_vl_4b", help="a shape in train/configs")
-    ap.add_argument("--frames", type=int, default=64)
-    ap.add_argument("--tokens-per-frame", type=int, default=196)
-    ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--modes", default="plain,zero3,zero2", help=f"comma list of {sorted(MODES)}")
-    ap.add_argument("--anchor", type=Path, help="also run this plain-stack script (torchrun) for comparison")
-    ap.add_argument("--out", type=Path, default=Path("bench_train_out"))
-    args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+# ------------------------------------------------------------------------------------------------- running
+def launcher(nproc: int) -> list[str]:
+    if nproc <= 0:  # one plain process (CPU tests)
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+            str(_free_port())]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_command(*, flags: list[str], shards: Path, run: Path, model: Path, steps: int, nproc: int,
+                  cap_gib: float | None, num_workers: int = 2) -> list[str]:
+    cmd = launcher(nproc) + ["-m", "train.main", "--shards", str(shards), "--output-dir", str(run), "--model",
+                             str(model), "--max-steps", str(steps), "--tail", "pad", "--save-every", "0",
+                             "--num-workers", str(num_workers), "--no-progress", *flags]
+    if cap_gib:
+        cmd += ["--mem-cap-gib", str(cap_gib)]
+    return cmd
+
+
+def run_logged(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
+    """Run cmd with its output in `log`; its whole process group is killed on timeout. (rc, wall s)."""
     t0 = time.time()
-    shards = make_shards(args.out, args.frames, args.tokens_per_frame, samples=args.nproc)
-    model = make_model(args.out, args.size)
-    print(f"data + model ready in {time.time() - t0:.0f}s", flush=True)
-    results = {}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc)]
-    for mode in args.modes.split(","):
-        run = args.out / f"run_{mode}"
-        cmd = torchrun + ["-m", "train.main", "--shards", str(shards), "--output-dir", str(run), "--model", str(model),
-                          "--max-steps", str(args.steps), "--tail", "pad", "--dtype", "bf16", "--save-every", "0",
-                          *MODES[mode]]
-        t1 = time.time()
-        with open(args.out / f"{mode}.log", "w") as log:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
-        results[mode] = {"rc": rc, "wall_s": round(time.time() - t1, 1), **(step_stats(run) if rc == 0 else {})}
-        print(json.dumps({"mode": mode, **results[mode]}), flush=True)
-    if args.anchor:
-        cmd = torchrun + [str(args.anchor), "--size", args.size.split("_")[-1], "--frames", str(args.frames),
-                          "--tokens-per-frame", str(args.tokens_per_frame), "--steps", str(args.steps)]
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        (args.out / "anchor.log").write_text(out.stdout + out.stderr)
-        lines = [json.loads(l[7:]) for l in out.stdout.splitlines() if l.startswith("RESULT ")]
-        results["anchor"] = {"rc": out.returncode, "ranks": lines}
-        print(json.dumps({"mode": "anchor", **results["anchor"]}), flush=True)
-    base = results.get("plain", {}).get("step_s_median")
-    for mode, r in results.items():
-        if base and r.get("step_s_median"):
-            r["speedup_vs_plain"] = round(base / r["step_s_median"], 2)
-    (args.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                       "results": results}, indent=1))
-    print("| mode | step s (median) | speedup vs plain | peak alloc GiB (rank 0) | peak reserved GiB (rank 0) |")
-    print("| --- | --- | --- | --- | --- |")
-    for mode, r in results.items():
-        if mode == "anchor":
-            rk = (r.get("ranks") or [{}])[0]
-            print(f"| anchor script | {rk.get('step_s_median')} | | {rk.get('peak_alloc_gib')} | {rk.get('peak_reserved_gib')} |")
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": str(REPO)})
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            rc = 124
+    return rc, round(time.time() - t0, 1)
+
+
+def run_stats(run: Path, *, model: Path | None = None, peak_tflops: float | None = None) -> dict:
+    """Step time, throughput, MFU, per-phase memory, data wait and the planner's prediction of a train.main run."""
+    steps: dict[int, list[dict]] = {}
+    for f in sorted((run / "logs").glob("rank*.jsonl")):
+        for line in open(f):
+            row = json.loads(line)
+            if row.get("event") == "step":
+                steps.setdefault(row["rank"], []).append(row)
+    out: dict = {"steps": len(steps.get(0, []))}
+    oom = sorted(run.glob("oom_rank*.json"))
+    if oom:
+        rep = json.loads(oom[0].read_text())
+        out["oom"] = {"phase": rep.get("phase"), "global_step": rep.get("global_step")}
+    if not steps.get(0):
+        return out
+    rank0 = steps[0]
+    timed = rank0[1:] or rank0
+    world = len(steps)
+    step_s = statistics.median(r["seconds"] for r in timed)
+    tokens = statistics.median(sum(steps[r][i]["input_tokens"] for r in steps if i < len(steps[r]))
+                               for i in range(len(rank0)))
+    phases: dict[str, dict] = {}
+    for r, rows in steps.items():
+        for row in rows:
+            for ph, v in row["phase_memory"].items():
+                cur = phases.setdefault(ph, {"alloc_gib": 0.0, "reserved_gib": 0.0, "alloc_gib_rank0": 0.0})
+                cur["alloc_gib"] = max(cur["alloc_gib"], v["alloc_gib"])
+                cur["reserved_gib"] = max(cur["reserved_gib"], v["reserved_gib"])
+                if r == 0:
+                    cur["alloc_gib_rank0"] = max(cur["alloc_gib_rank0"], v["alloc_gib"])
+    out.update(step_s=round(step_s, 3), step_s_all=[r["seconds"] for r in rank0], tokens_per_step=tokens,
+               tokens_per_s=round(tokens / step_s, 1), world=world,
+               input_tokens=rank0[0]["input_tokens"], supervised_tokens=rank0[0]["supervised_tokens"],
+               peak_alloc_gib=max(r["peak_alloc_gib"] for rows in steps.values() for r in rows),
+               peak_reserved_gib=max(r["peak_reserved_gib"] for rows in steps.values() for r in rows),
+               memory_kind=rank0[0]["memory_kind"], phase_memory=phases,
+               data_wait_share=round(statistics.median(r.get("data_wait_share") or 0.0 for r in timed), 4),
+               loss_last=rank0[-1]["loss"])
+    record = json.loads((run / "run.json").read_text()) if (run / "run.json").exists() else {}
+    cfg = record.get("config", {})
+    out["resolved"] = {k: cfg.get(k) for k in ("zero_stage", "gradient_checkpointing", "offload_activations",
+                                                "offload_optimizer", "offload_params", "loss_impl", "quantize_base",
+                                                "attention", "pack", "vision_chunk_frames", "full_logits")}
+    if model is not None:
+        out.update(_prediction_and_mfu(run, cfg, model, step_s=step_s, world=world, peak_tflops=peak_tflops,
+                                       measured=out["peak_alloc_gib"]))
+    return out
+
+
+def _prediction_and_mfu(run: Path, cfg: dict, model: Path, *, step_s: float, world: int, peak_tflops: float | None,
+                        measured: float) -> dict:
+    from schemas.manifest import SampleRecord, read_records
+    from train.flops import peak_tflops as device_peak, step_flops
+    from train.memplan import Setup, heaviest_workload, predict
+    from train.plan import MicroBatch
+    from train.shapes import ModelShape
+
+    shape = ModelShape.from_dir(model, lora_targets=cfg.get("lora_targets"))
+    plans = json.loads((run / "plan.json").read_text())["plans"]
+    mbs = [MicroBatch.from_json(mb) for p in plans for step in p["steps"] for rank in step for mb in rank]
+    records = read_records(Path(cfg["shards"]) / "manifest.parquet", SampleRecord)
+    work = heaviest_workload(records, mbs, pack=bool(cfg.get("pack")), merge=shape.merge)
+    loss = "model" if cfg.get("full_logits") else ("torch" if cfg.get("loss_impl") == "torch" else "chunked")
+    if cfg.get("loss_impl") == "liger":
+        loss = "liger"
+    setup = Setup(zero_stage=int(cfg["zero_stage"]), checkpointing=cfg["gradient_checkpointing"],
+                  offload_activations=bool(cfg.get("offload_activations")), quantize_base=cfg.get("quantize_base"),
+                  offload_optimizer=bool(cfg.get("offload_optimizer")), offload_params=bool(cfg.get("offload_params")),
+                  prefetch_bucket=float(cfg.get("prefetch_bucket_size") or 5e6), loss=loss,
+                  vision_chunk_frames=int(cfg.get("vision_chunk_frames") or 0), finetune=cfg.get("finetune", "lora"),
+                  lora_r=int(cfg.get("lora_r", 8)), lora_dropout=float(cfg.get("lora_dropout", 0.05)) > 0)
+    pred = predict(shape, work, setup, world=world)
+    by_id = {r.sample_id: r for r in records}
+    flops = 0.0
+    first_step = [MicroBatch.from_json(mb) for rank in plans[0]["steps"][0] for mb in rank]
+    for mb in first_step:  # one optimizer step: every rank's micro-batches (the bench's steps all look alike)
+        rs = [by_id[s] for s in mb.sample_ids]
+        flops += step_flops(shape, tokens=sum(r.input_tokens for r in rs), supervised=sum(r.supervised_tokens for r in rs),
+                            patches=sum(r.grid_t * r.grid_h * r.grid_w for r in rs),
+                            patches_per_group=max(r.grid_h * r.grid_w for r in rs),
+                            sample_tokens=[r.input_tokens for r in rs] if cfg.get("pack") else None,
+                            full_finetune=cfg.get("finetune") == "full")["total"]
+    peak = peak_tflops
+    if peak is None:
+        import torch
+
+        peak = device_peak(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+    out = {"predicted_peak_gib": round(pred.peak_gib, 2), "predicted_phases_gib": {k: round(v, 2) for k, v in pred.phases.items()},
+           "prediction_error": round(pred.peak_gib / measured - 1, 3) if measured else None,
+           "useful_tflop_per_step": round(flops / 1e12, 2)}
+    if peak:
+        out["mfu"] = round(flops / (step_s * world * peak * 1e12), 3)
+        out["peak_tflops_per_gpu"] = peak
+    return out
+
+
+def find_anchor(given: str | None = None) -> Path | None:
+    for path in ([Path(given)] if given else []) + list(ANCHORS):
+        if path.is_file():
+            return path
+    return None
+
+
+def run_anchor(leg: Leg, *, out: Path, nproc: int, steps: int, timeout: float, anchor: str | None = None) -> dict:
+    script = find_anchor(anchor)
+    if script is None:
+        return {"error": f"anchor script not found (looked at {', '.join(str(p) for p in ANCHORS)}; pass --anchor)"}
+    size = leg.size.split("_")[-1]  # qwen3_vl_4b -> 4b
+    cmd = launcher(max(nproc, 1)) + [str(script), "--size", size, "--frames", str(leg.frames),
+                                     "--tokens-per-frame", str(TOKENS_PER_GROUP), "--steps", str(steps)]
+    if leg.cap_gib:
+        cmd += ["--mem-gib", str(leg.cap_gib)]
+    log = out / f"{leg.name}.log"
+    rc, wall = run_logged(cmd, log, timeout)
+    lines = [json.loads(ln[7:]) for ln in log.read_text().splitlines() if ln.startswith("RESULT ")]
+    res: dict = {"rc": rc, "wall_s": wall, "ranks": lines}
+    if lines:
+        r0 = lines[0]
+        res.update(step_s=r0["step_s_median"], peak_alloc_gib=r0["peak_alloc_gib"], peak_reserved_gib=r0["peak_reserved_gib"],
+                   tokens_per_s=r0["tokens_per_s"], input_tokens=r0["input_tokens"])
+    elif "OutOfMemoryError" in log.read_text() or "out of memory" in log.read_text():
+        res["oom"] = True
+    return res
+
+
+def run_leg(leg: Leg, *, out: Path, nproc: int, steps: int, timeout: float, peak_tflops: float | None,
+            tokens_per_frame: int = TOKENS_PER_GROUP, workers: int = 8, anchor: str | None = None,
+            work: Path | None = None) -> dict:
+    """One leg; logs in `out`, models / shards / run directories in `work` (default `out`)."""
+    work = work or out
+    if leg.config == "anchor":
+        return run_anchor(leg, out=out, nproc=nproc, steps=steps, timeout=timeout, anchor=anchor)
+    samples = max(nproc, 1) * (2 if leg.config == "pack2" else 1)
+    shards = make_shards(work, leg.frames, tokens_per_frame, samples, workers=workers)
+    model = make_model(work, leg.size)
+    flags = list(LEGS[leg.config])
+    if "{pack_budget}" in flags:
+        from schemas.manifest import SampleRecord, read_records
+
+        longest = max(r.input_tokens for r in read_records(shards / "manifest.parquet", SampleRecord))
+        flags = [f.replace("{pack_budget}", str(2 * longest)) for f in flags]
+    run = work / "runs" / leg.name
+    cmd = train_command(flags=flags, shards=shards, run=run, model=model, steps=steps, nproc=nproc, cap_gib=leg.cap_gib)
+    rc, wall = run_logged(cmd, out / f"{leg.name}.log", timeout)
+    return {"rc": rc, "wall_s": wall, "flags": flags, **run_stats(run, model=model, peak_tflops=peak_tflops)}
+
+
+# ------------------------------------------------------------------------------------------------- report
+def table(results: list[dict]) -> str:
+    anchors = {(r["size"], r["frames"], r.get("cap_gib")): r.get("step_s") for r in results if r["config"] == "anchor"}
+    head = ("| leg | rc | step s | vs anchor | tokens/s | MFU | peak alloc GiB | predicted GiB (err) | reserved GiB "
+            "| data wait | resolved |")
+    lines = [head, "|" + "---|" * 11]
+    for r in results:
+        base = anchors.get((r["size"], r["frames"], r.get("cap_gib"))) or anchors.get((r["size"], r["frames"], None))
+        vs = f"{base / r['step_s']:.2f}x" if base and r.get("step_s") else ""
+        pred = (f"{r['predicted_peak_gib']} ({r['prediction_error']:+.1%})"
+                if r.get("predicted_peak_gib") is not None and r.get("prediction_error") is not None else "")
+        res = r.get("resolved") or {}
+        resolved = f"z{res.get('zero_stage')} ckpt {res.get('gradient_checkpointing')}" if res else ""
+        status = ("OOM" if r.get("oom") else "skipped" if r.get("skipped") else
+                  f"error: {r['error'][:60]}" if r.get("error") else r.get("rc"))
+        lines.append(f"| {r['leg']} | {status} | {r.get('step_s', '')} | {vs} | {r.get('tokens_per_s', '')} | "
+                     f"{r.get('mfu', '')} | {r.get('peak_alloc_gib', '')} | {pred} | {r.get('peak_reserved_gib', '')} | "
+                     f"{r.get('data_wait_share', '')} | {resolved} |")
+    if any(r.get("memory_kind") == "cpu_rss" for r in results):
+        lines.append("(CPU legs: memory is the process RSS stand-in; the predictions are for CUDA allocator peaks)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--legs", default="anchor,auto,plain,zero2,zero3", help=f"comma list of anchor, {', '.join(LEGS)}")
+    ap.add_argument("--modes", default=None, help=argparse.SUPPRESS)  # the older spelling of --legs
+    ap.add_argument("--matrix", choices=("issue9",), default=None, help="a predefined list of legs (overrides "
+                    "--legs/--size/--frames/--mem-cap)")
+    ap.add_argument("--size", default="qwen3_vl_4b", help="a shape in train/configs")
+    ap.add_argument("--frames", default="64", help="comma list, 32..1024")
+    ap.add_argument("--tokens-per-frame", type=int, default=TOKENS_PER_GROUP)
+    ap.add_argument("--mem-cap", type=float, default=None, help="GiB per process (a smaller card)")
+    ap.add_argument("--nproc", type=int, default=1, help="GPUs (ranks); 0 = one plain process (CPU)")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--budget-s", type=float, default=None, help="stop starting legs after this many seconds")
+    ap.add_argument("--leg-timeout-s", type=float, default=420)
+    ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak per GPU for MFU")
+    ap.add_argument("--anchor", default=None, help="the plain-stack script (default: shared/anchors/plain_stack_step.py "
+                    "in or beside the checkout)")
+    ap.add_argument("--workers", type=int, default=8, help="prep build workers for the synthetic shards")
+    ap.add_argument("--out", type=Path, default=Path("bench_train_out"), help="logs and results")
+    ap.add_argument("--work", type=Path, default=None, help="models, shards and run directories (default --out)")
+    a = ap.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    if a.work is not None:
+        a.work.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    (a.out / "env.json").write_text(json.dumps(environment(), indent=1))
+    if a.modes:  # older runs (BENCHMARKS.md): --modes plain,zero2 plus an --anchor leg
+        a.legs = ",".join((["anchor"] if a.anchor else []) + [m.replace("_", "-") for m in a.modes.split(",")])
+    if a.matrix == "issue9":
+        legs = issue9_matrix()
+    else:
+        legs = [Leg(config=c, size=a.size, frames=int(f), cap_gib=a.mem_cap) for f in a.frames.split(",")
+                for c in a.legs.split(",")]
+    unknown = [leg.config for leg in legs if leg.config != "anchor" and leg.config not in LEGS]
+    if unknown:
+        raise SystemExit(f"unknown legs {unknown}; choose from anchor, {', '.join(LEGS)}")
+    results = []
+    for leg in legs:
+        row = {"leg": leg.name, "config": leg.config, "size": leg.size, "frames": leg.frames, "cap_gib": leg.cap_gib}
+        left = None if a.budget_s is None else a.budget_s - (time.time() - t0)
+        if left is not None and left < 40:
+            row["skipped"] = f"time budget ({a.budget_s:.0f} s) spent"
         else:
-            print(f"| {mode} | {r.get('step_s_median')} | {r.get('speedup_vs_plain', '')} | "
-                  f"{r.get('peak_alloc_gib', {}).get(0)} | {r.get('peak_reserved_gib', {}).get(0)} |")
+            timeout = a.leg_timeout_s if left is None else max(30.0, min(a.leg_timeout_s, left - 5))
+            try:
+                row.update(run_leg(leg, out=a.out, nproc=a.nproc, steps=a.steps, timeout=timeout,
+                                   peak_tflops=a.peak_tflops, tokens_per_frame=a.tokens_per_frame, workers=a.workers,
+                                   anchor=a.anchor, work=a.work))
+            except (subprocess.SubprocessError, OSError, ValueError, KeyError) as e:  # recorded, next leg runs
+                row["error"] = f"{type(e).__name__}: {e}"
+        row["elapsed_s"] = round(time.time() - t0, 1)
+        results.append(row)
+        with open(a.out / "results.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(json.dumps({k: row.get(k) for k in ("leg", "rc", "step_s", "tokens_per_s", "mfu", "peak_alloc_gib",
+                                                  "predicted_peak_gib", "data_wait_share", "oom", "skipped", "error",
+                                                  "elapsed_s")}), flush=True)
+    (a.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()},
+                                                    "results": results}, indent=1))
+    text = table(results)
+    (a.out / "results.md").write_text(text + "\n")
+    print(text)
+    skipped = [r["leg"] for r in results if r.get("skipped")]
+    if skipped:
+        print(f"skipped for time: {', '.join(skipped)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -295,3 +295,28 @@ def test_linear_attention_routing_and_its_correctness_probe():
 
     ok, worst = probe_gated_delta_rule(off, body, torch.device("cpu"))
     assert not ok and worst == pytest.approx(0.1025, rel=1e-3)  # output 5% off, gradients of out^2 10.25%
+
+
+def test_zero3_sharding_check_fails_with_the_numbers_when_nothing_is_partitioned():
+    """The passing case runs for real in test_train_main's 2-rank ZeRO-3 run; here a model DeepSpeed never
+    partitioned, as 2 ranks would see it."""
+    from train.zero import sharding_report
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
+    report = sharding_report(model, rank=1, world=2)
+    assert not report.ok and report.resident_bytes == report.total_bytes == report.unpartitioned_bytes
+    assert "rank 1 of 2: holds 0.02 MiB of 0.02 MiB" in report.message() and "NOT SHARDED" in report.message()
+    assert sharding_report(model, rank=0, world=1).ok  # one rank: the whole model is the partition
+
+
+def test_quantized_base_config_plumbing_and_refusal_on_cpu():
+    from train.quantize import SKIP_MODULES, from_pretrained_kwargs, quantization_kwargs, quantize_problem
+
+    nf4 = quantization_kwargs("nf4")
+    assert nf4["load_in_4bit"] and nf4["bnb_4bit_quant_type"] == "nf4" and nf4["bnb_4bit_compute_dtype"] == torch.bfloat16
+    assert quantization_kwargs("int8")["load_in_8bit"] and nf4["llm_int8_skip_modules"] == SKIP_MODULES
+    assert "visual" in SKIP_MODULES and "lm_head" in SKIP_MODULES  # frozen tower and the chunked loss's weight stay bf16
+    assert from_pretrained_kwargs(None, 0) == {}
+    assert "needs a CUDA device" in quantize_problem("cpu")
+    with pytest.raises(ValueError, match="choose nf4 or int8"):
+        quantization_kwargs("fp8")

@@ -78,6 +78,11 @@ def test_lora_run_plans_trains_verifies_and_saves(drop_run):
     assert "dropped (tail=drop): " in out
     assert "69/69 checkpoint entries verified" in out
     assert "69 parameters are ZeRO-3 partitioned" in out
+    # after engine init each rank holds ~1/2 of the parameters (plus the small ones kept whole): checked, not assumed
+    assert "ZeRO-3 sharding, rank 0 of 2: holds " in out and "(tolerance 10%)" in out, out
+    for r in (0, 1):
+        (shard,) = events(run, r, "zero3_sharding")
+        assert shard["ok"] and shard["unpartitioned_bytes"] == 0 and shard["resident_bytes"] < shard["total_bytes"]
     assert "LoRA sanity after step 1: 14/14 lora_B changed; 14/14 lora_A unchanged (expected" in out
     # the ledger proves exactly-once per epoch, with the dropped sample accounted
     ledger = [e for e in events(run, 0, "ledger")]

@@ -60,7 +60,14 @@ from train.data import (
 )
 from train.jsonlog import RunLog
 from train.load_check import LoadError, check_load, verify_values
-from train.memory import PhaseTracker, all_ranks_memory, device_info, summary_table
+from train.memory import (
+    PhaseTracker,
+    all_ranks_memory,
+    apply_mem_cap,
+    device_info,
+    gpu_memory_in_use,
+    summary_table,
+)
 from train.models import detect_family, ensure_tiny_model
 from train.ledger import append_ledger, check_ledger
 from train.activations import Checkpointing, apply_checkpointing
@@ -70,8 +77,10 @@ from train.sequence_parallel import SequenceParallelError, sequence_parallel_los
 from train.sequence_parallel import model_problems as sp_model_problems
 from train.sequence_parallel import new_groups as sp_new_groups
 from train.sequence_parallel import rank_layout as sp_layout
+from train.quantize import from_pretrained_kwargs, quantize_problem
 from train.plan import PlanConfig, PlanError, global_steps, plan_run, total_steps
 from train.run_record import build_run_record, update_run_record, write_json
+from train.zero import sharding_report
 
 EXIT_USAGE = 2
 EXIT_OOM = 3
@@ -143,6 +152,7 @@ class Recipe:
         if self.sp > 1:
             self.log.event("sequence_parallel", size=self.sp, dp_rank=self.dp_rank, sp_rank=self.sp_rank,
                            dp_world=self.dp_world)
+        self._report_gpu_memory()
 
         # 1. Plan every epoch from the manifest, before anything heavy: a world size that leaves a rank
         #    without a batch, or a tail that does not fit, stops here with the numbers.
@@ -239,14 +249,67 @@ class Recipe:
             pad_token_id=self._pad_id(), tokenizer=self.tokenizer, num_workers=cfg.num_workers,
             pixel_dtype=self.dtype, pack=cfg.pack)
 
+    def _report_gpu_memory(self) -> None:
+        """Before anything loads: what other processes already hold on the GPUs (a shared card is the usual
+        cause of an OOM nobody can reproduce), and the --mem-cap-gib cap. Nothing to report on CPU."""
+        if self.device.type != "cuda":
+            return
+        devices = gpu_memory_in_use(self.local_rank)
+        self.log.event("gpu_memory_before_load", devices=devices)
+        for d in devices:
+            self.log.say(f"[rank {self.rank}] GPU {d['index']} ({d['name']}): {d['used_gib']:.2f} of "
+                         f"{d['total_gib']:.2f} GiB already in use before loading ({d['source']})")
+        if self.cfg.mem_cap_gib is not None:
+            fraction = apply_mem_cap(self.cfg.mem_cap_gib, self.device.index or 0)
+            self.log.event("mem_cap", gib=self.cfg.mem_cap_gib, fraction=round(fraction, 4))
+            self.log.say(f"[rank {self.rank}] memory capped at {self.cfg.mem_cap_gib} GiB ({fraction:.1%} of the device)")
+
     def _resolve_auto(self, cfg: TrainConfig) -> TrainConfig:
-        """--zero-stage auto / --gradient-checkpointing auto: today's behaviour (ZeRO-3, every layer
-        checkpointed) wherever no GPU memory figure exists."""
-        stage = cfg.zero_stage if cfg.zero_stage is not None else (3 if cfg.deepspeed is None else None)
-        ckpt = "all" if cfg.gradient_checkpointing == "auto" else cfg.gradient_checkpointing
-        if (stage, ckpt) != (cfg.zero_stage, cfg.gradient_checkpointing):
-            self.log.event("auto", zero_stage=stage, gradient_checkpointing=ckpt, reason="no GPU memory figure")
-        return dataclasses.replace(cfg, zero_stage=stage, gradient_checkpointing=ckpt)
+        """--zero-stage auto / --gradient-checkpointing auto. On CUDA the memory planner (train/memplan.py)
+        picks the fastest exact configuration whose predicted peak fits the smallest card of the job (its free
+        memory, or --mem-cap-gib); elsewhere, or with a --deepspeed file, today's behaviour: ZeRO-3 (the file's
+        stage) and every layer checkpointed."""
+        fixed_stage = 3 if cfg.preset else cfg.zero_stage
+        auto_stage = fixed_stage is None and cfg.deepspeed is None
+        auto_ckpt = cfg.gradient_checkpointing == "auto"
+        if not (auto_stage or auto_ckpt):
+            return dataclasses.replace(cfg, zero_stage=fixed_stage)
+        if self.device.type != "cuda":
+            stage = fixed_stage if not auto_stage else 3
+            ckpt = "all" if auto_ckpt else cfg.gradient_checkpointing
+            self.log.event("auto", zero_stage=stage, gradient_checkpointing=ckpt,
+                           reason=f"no GPU memory figure on {self.device.type}: ZeRO-3, every layer checkpointed")
+            return dataclasses.replace(cfg, zero_stage=stage, gradient_checkpointing=ckpt)
+        from train.memplan import candidates, choose, heaviest_workload
+        from train.shapes import ModelShape
+
+        free, _ = torch.cuda.mem_get_info(self.device)
+        mem = torch.tensor([cfg.mem_cap_gib if cfg.mem_cap_gib else free / 2**30], device=self.device)
+        torch.distributed.all_reduce(mem, op=torch.distributed.ReduceOp.MIN)  # every rank must pick the same
+        shape = ModelShape.from_config(self.model_config, lora_targets=cfg.lora_targets)
+        work = heaviest_workload(list(self.store.records.values()),
+                                 [mb for p in self.plans for step in p.steps for rank in step for mb in rank],
+                                 pack=cfg.pack, merge=shape.merge)
+        setups = candidates(world=self.world_size, loss="model" if cfg.full_logits else "chunked",
+                            finetune=cfg.finetune, lora_r=cfg.lora_r, lora_dropout=cfg.lora_dropout > 0,
+                            vision_chunk_frames=cfg.vision_chunk_frames, quantize_base=cfg.quantize_base,
+                            zero_stage=fixed_stage, checkpointing=None if auto_ckpt else cfg.gradient_checkpointing,
+                            offload_optimizer=cfg.offload_optimizer, offload_params=cfg.offload_params)
+        choice = choose(shape, work, gpu_mem_gib=float(mem.item()), world=self.world_size, setups=setups)
+        pick = choice.pick.setup
+        self.log.event("memory_plan", **choice.to_json())
+        self.log.say(choice.message())
+        if not choice.fits:
+            self.log.say("warning: no configuration is predicted to fit; training with the smallest predicted peak "
+                         "(the prediction is within ~15%; --quantize-base nf4 shrinks the frozen weights 4x)")
+        if self.rank == 0:
+            write_json(self.run_dir / "memory_plan.json", choice.to_json())
+        return dataclasses.replace(
+            cfg, zero_stage=pick.zero_stage if cfg.deepspeed is None else cfg.zero_stage,
+            gradient_checkpointing=pick.checkpointing if auto_ckpt else cfg.gradient_checkpointing,
+            offload_activations=cfg.offload_activations or pick.offload_activations,
+            offload_optimizer=cfg.offload_optimizer or pick.offload_optimizer,
+            offload_params=cfg.offload_params or pick.offload_params)
 
     def _check_levers(self) -> None:
         """Refuse, with the reason, a lever this device or family cannot run; route Qwen3.5's kernels."""
@@ -260,10 +323,10 @@ class Recipe:
             problems.append("--pack with Qwen3.5: its linear-attention layers (gated delta rule, causal conv1d) carry "
                             "state along the row, and their torch fallback in transformers ignores sample boundaries, "
                             "so packed samples would see each other; train Qwen3.5 unpacked")
-        if device != "cuda":
-            for flag, on in (("--mem-cap-gib", cfg.mem_cap_gib is not None), ("--quantize-base", cfg.quantize_base)):
-                if on:
-                    problems.append(f"{flag} needs a CUDA device (this run is on {device})")
+        if cfg.mem_cap_gib is not None and device != "cuda":
+            problems.append(f"--mem-cap-gib needs a CUDA device (this run is on {device})")
+        if cfg.quantize_base and (why := quantize_problem(device)) is not None:
+            problems.append(why)
         if problems:
             raise ConfigError("levers not available here:\n  - " + "\n  - ".join(problems))
         if self.family == "qwen3_5":
@@ -307,7 +370,8 @@ class Recipe:
             self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
         with self.tracker.phase("load", 0):
             model, info = AutoModelForImageTextToText.from_pretrained(
-                self.model_dir, dtype=self.dtype, output_loading_info=True, attn_implementation=self.cfg.attention)
+                self.model_dir, dtype=self.dtype, output_loading_info=True, attn_implementation=self.cfg.attention,
+                **from_pretrained_kwargs(self.cfg.quantize_base, self.local_rank))
             model.config.use_cache = False
             # transformers' ZeRO-3 loader keeps every key conversion, used or not, and save_pretrained reverses
             # them all: for Qwen3.5 that writes `model.language_model.model.language_model.*`. Keep only the
@@ -386,6 +450,12 @@ class Recipe:
         if engine.zero_optimization_stage() != self.zero_stage:
             raise RuntimeError(f"DeepSpeed runs ZeRO stage {engine.zero_optimization_stage()}, the resolved config "
                                f"says {self.zero_stage}")
+        if self.zero_stage == 3:  # partitioned at load for real: each rank about 1/world of the parameters
+            report = sharding_report(engine.module, rank=self.rank, world=self.world_size)
+            self.log.event("zero3_sharding", ok=report.ok, **dataclasses.asdict(report))
+            self.log.say(report.message())
+            if not report.ok:
+                raise LoadError(report.message())
         return engine
 
     # ------------------------------------------------------------------------------------------ train
@@ -443,11 +513,14 @@ class Recipe:
                 tokens_per_s=round(tokens / seconds, 1), seconds=round(seconds, 4),
                 peak_alloc_gib=max(v["alloc_gib"] for v in step_mem.values()),
                 peak_reserved_gib=max(v["reserved_gib"] for v in step_mem.values()),
-                memory_kind=next(iter(step_mem.values()))["kind"], phase_memory=step_mem, phase="train")
+                memory_kind=next(iter(step_mem.values()))["kind"], phase_memory=step_mem,
+                phase_seconds=self.tracker.last_step_seconds,
+                data_wait_share=round(self.tracker.last_step_seconds.get("data", 0.0) / seconds, 4), phase="train")
             self._last_losses.append(rec["loss"])
             bar.update(1)
             if self.rank == 0 and (step % cfg.log_every == 0 or self.steps_done == self.total_steps):
-                self.log.say(json.dumps({k: rec[k] for k in rec if k not in ("event", "time", "phase_memory")}))
+                self.log.say(json.dumps({k: rec[k] for k in rec if k not in ("event", "time", "phase_memory",
+                                                                            "phase_seconds")}))
             if lora_before is not None:
                 self._lora_sanity(lora_before)
                 lora_before = None

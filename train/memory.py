@@ -17,6 +17,7 @@ import json
 import os
 import resource
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -82,13 +83,18 @@ class PhaseTracker:
         self.phases: dict[str, MemStat] = {}  # max per phase over the whole run (the summary table)
         self._step: int | None = None  # the training step being measured, None outside the loop
         self._step_peaks: dict[str, MemStat] = {}
+        self._step_seconds: dict[str, float] = {}
+        self.last_step_seconds: dict[str, float] = {}  # seconds per phase of the last step (data = waiting on the loader)
         self.last: dict = {}  # what the memory file holds
 
     @contextlib.contextmanager
     def phase(self, name: str, step: int):
         self.current = name
         maybe_fail(name, step, self.rank)
+        t0 = time.perf_counter()
         yield
+        if self._step is not None:  # wall seconds per phase within the step (CUDA work may still be queued)
+            self._step_seconds[name] = self._step_seconds.get(name, 0.0) + time.perf_counter() - t0
         stat = peak_memory(reset=True)
         self.latest = stat
         self.phases[name] = _max(self.phases.get(name), stat)
@@ -98,7 +104,7 @@ class PhaseTracker:
             self._step_peaks[name] = _max(self._step_peaks.get(name), stat)
 
     def begin_step(self, step: int) -> None:
-        self._step, self._step_peaks = step, {}
+        self._step, self._step_peaks, self._step_seconds = step, {}, {}
 
     def end_step(self) -> dict[str, dict]:
         """The step's peak per phase ({phase: {alloc_gib, reserved_gib, kind}}); writes the memory file."""
@@ -106,7 +112,8 @@ class PhaseTracker:
         if self._step_peaks:
             self._write(self.current, self._step, self._step_peaks[self.current] if self.current in self._step_peaks
                         else self.latest)
-        self._step, self._step_peaks = None, {}
+        self.last_step_seconds = {k: round(v, 4) for k, v in self._step_seconds.items()}
+        self._step, self._step_peaks, self._step_seconds = None, {}, {}
         return peaks
 
     def snapshot(self, step: int | None) -> None:
@@ -168,3 +175,43 @@ def maybe_fail(phase: str, step: int, rank: int) -> None:
     if parts[0] != phase or int(parts[1]) != step or (len(parts) > 2 and int(parts[2]) != rank):
         return
     raise torch.OutOfMemoryError(f"simulated out of memory ({FAIL_ENV}={spec})")
+
+
+def gpu_memory_in_use(local_index: int | None = None) -> list[dict]:
+    """Memory already used on the GPUs before this process loads anything: every visible device through NVML
+    (no CUDA context is created) where pynvml imports, else this rank's own device via cudaMemGetInfo. Empty
+    without CUDA. Each entry: index, name, total_gib, used_gib (by anything on the device), free_gib, source."""
+    if not torch.cuda.is_available():
+        return []
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            info = pynvml.nvmlDeviceGetMemoryInfo(h)
+            procs = [{"pid": p.pid, "used_gib": round((p.usedGpuMemory or 0) / GIB, 2)}
+                     for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)]
+            out.append({"index": i, "name": pynvml.nvmlDeviceGetName(h), "total_gib": round(info.total / GIB, 2),
+                        "used_gib": round(info.used / GIB, 2), "free_gib": round(info.free / GIB, 2),
+                        "processes": procs, "source": "nvml"})
+        return out
+    except Exception:  # no pynvml / no NVML library: this rank's device through the CUDA runtime instead
+        i = torch.cuda.current_device() if local_index is None else local_index
+        free, total = torch.cuda.mem_get_info(i)
+        ours = torch.cuda.memory_reserved(i)
+        return [{"index": i, "name": torch.cuda.get_device_name(i), "total_gib": round(total / GIB, 2),
+                 "used_gib": round((total - free - ours) / GIB, 2), "free_gib": round(free / GIB, 2),
+                 "source": "cudaMemGetInfo (this process's CUDA context included)"}]
+
+
+def apply_mem_cap(cap_gib: float, index: int) -> float:
+    """Cap this process's CUDA caching allocator at cap_gib on device `index` (a smaller card, simulated);
+    returns the fraction set. Allocations beyond it raise torch.OutOfMemoryError like a full card."""
+    total = torch.cuda.get_device_properties(index).total_memory
+    if cap_gib * GIB > total:
+        raise ValueError(f"--mem-cap-gib {cap_gib} exceeds the device's {total / GIB:.1f} GiB")
+    fraction = cap_gib * GIB / total
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+    return fraction

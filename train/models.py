@@ -64,8 +64,10 @@ def load_shape(name: str) -> tuple[str, dict]:
     return data["family"], data
 
 
-def create_random_model(name: str, out_dir: str | Path, *, seed: int = 0, dtype=torch.float32) -> Path:
-    """Build the random-weight model `name` (a file in train/configs) with the bundled tokenizer, save both."""
+def create_random_model(name: str, out_dir: str | Path, *, seed: int = 0, dtype=torch.float32,
+                        device: str = "cpu") -> Path:
+    """Build the random-weight model `name` (a file in train/configs) with the bundled tokenizer, save both.
+    device="cuda" initializes on the GPU (a 4B model in seconds instead of minutes on the CPU)."""
     from transformers import AutoModelForImageTextToText
 
     out_dir = Path(out_dir)
@@ -73,7 +75,8 @@ def create_random_model(name: str, out_dir: str | Path, *, seed: int = 0, dtype=
     tokenizer = load_tokenizer()
     config = build_config(family, shape, tokenizer)
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
+    with torch.device(device):
+        model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
     model.save_pretrained(out_dir)
     save_processor(out_dir, model_config=config, tokenizer=tokenizer)
     return out_dir

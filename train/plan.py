@@ -380,3 +380,17 @@ def global_steps(plans: Sequence[EpochPlan], rank: int, start: int = 0) -> Itera
             g = p.first_global_step + i
             if g >= start:
                 yield g, p.epoch, i, step[rank]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m train.plan`: the memory plan of a run (peak per phase, the configuration that fits);
+    the logic lives in train/memplan.py."""
+    from train.memplan import cli
+
+    return cli(argv)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

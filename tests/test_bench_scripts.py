@@ -1,0 +1,51 @@
+"""scripts/compare_runs.py end to end on CPU (tiny model, smallest setting) and the GPU bench's plumbing."""
+from __future__ import annotations
+
+import json
+
+from tests.train_helpers import subset_shards
+
+FOUR = ["vid_a/w0002", "vid_b/w0002", "vid_c/w0002", "vid_d/w0002"]
+
+
+def test_compare_runs_prints_two_equal_work_configurations_side_by_side(tiny_cache, built_shards, tmp_path, capsys):
+    from scripts.compare_runs import main
+
+    shards = subset_shards(built_shards, tmp_path / "shards", FOUR)
+    args = ["--model", str(tiny_cache / "tiny_qwen3_vl"), "--shards", str(shards), "--steps", "1", "--nproc", "0",
+            "--num-workers", "0", "--common", "--zero-stage 2 --dtype fp32 --lora-dropout 0", "--out", str(tmp_path / "out")]
+    assert main(args + ["--a", "--micro-batch-size 2 --grad-accum 2", "--b", "--micro-batch-size 1 --grad-accum 3"]) == 2
+    assert "not equal work: A trains 4 samples per rank and step, B 3" in capsys.readouterr().err
+    assert main(args + ["--a", "--micro-batch-size 2 --grad-accum 2", "--b", "--micro-batch-size 1 --grad-accum 4"]) == 0
+    out = capsys.readouterr().out
+    for label in ("step s (median)", "samples / s", "peak alloc GiB", "predicted peak GiB", "backward alloc/reserved",
+                  "CPU run: memory is the process RSS stand-in"):
+        assert label in out, out
+    got = json.loads((tmp_path / "out" / "compare.json").read_text())
+    a, b = got["A"], got["B"]
+    assert a["rc"] == b["rc"] == 0 and a["steps"] == b["steps"] == 1
+    assert a["resolved"]["zero_stage"] == b["resolved"]["zero_stage"] == 2
+    assert a["tokens_per_step"] == b["tokens_per_step"] > 0  # the same samples in one step
+    assert a["loss_last"] == b["loss_last"] or abs(a["loss_last"] / b["loss_last"] - 1) < 0.05  # same work, seed
+
+
+def test_issue9_matrix_covers_the_targets_and_legs_exist():
+    from scripts.bench_train import LEGS, issue9_matrix, table
+
+    legs = issue9_matrix()
+    names = [leg.name for leg in legs]
+    assert len(set(names)) == len(names)
+    assert all(leg.config == "anchor" or leg.config in LEGS for leg in legs)
+    first = names[:5]
+    assert first == ["qwen3_vl_4b-64f-anchor", "qwen3_vl_4b-64f-auto", "qwen3_vl_4b-64f-plain",
+                     "qwen3_vl_4b-64f-zero2", "qwen3_vl_4b-64f-zero3"]
+    for wanted in ("qwen3_vl_4b-128f-auto-cap12", "qwen3_vl_4b-256f-auto-cap12", "qwen3_vl_4b-1024f-auto",
+                   "qwen3_vl_8b-64f-auto", "qwen3_5_9b-64f-auto", "qwen3_5_9b-64f-linear-torch"):
+        assert wanted in names
+    rows = [{"leg": "x-64f-anchor", "config": "anchor", "size": "x", "frames": 64, "cap_gib": None, "step_s": 3.0},
+            {"leg": "x-64f-auto", "config": "auto", "size": "x", "frames": 64, "cap_gib": None, "step_s": 0.5,
+             "rc": 0, "predicted_peak_gib": 9.0, "prediction_error": -0.05, "resolved": {"zero_stage": 2}},
+            {"leg": "x-64f-zero3", "config": "zero3", "size": "x", "frames": 64, "cap_gib": None,
+             "skipped": "time budget"}]
+    text = table(rows)
+    assert "| x-64f-auto | 0 | 0.5 | 6.00x |" in text and "9.0 (-5.0%)" in text and "| x-64f-zero3 | skipped |" in text

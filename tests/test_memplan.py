@@ -1,0 +1,110 @@
+"""The memory planner against the peaks measured on an H200, computed from the shapes in train/configs/.
+
+MEASURED: peak allocated GiB per rank (CUDA max_memory_allocated over 5 steps), Qwen3-VL-4B/8B and Qwen3.5-9B
+shapes with random weights, LoRA r=8 on the language model, frozen vision tower, every layer checkpointed,
+bf16, one window of F frames at 196 tokens per temporal group. Sources: issue 9's table (1 H200, 2026-12-01)
+and BENCHMARKS.md "Training step (GPU)" (2 H200s, 2026-11-30, per phase). "train.main" then = loss at
+supervised positions (torch), vision tower in the model's forward, lora_dropout 0.05; "anchor" =
+shared/anchors/plain_stack_step.py (ZeRO-3, the model's own loss over every position with the outputs kept
+through backward, lora_dropout 0, 180 supervised tokens).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from train.memplan import Setup, Workload, candidates, choose, predict
+from train.shapes import ModelShape
+
+TRAIN_MAIN = dict(loss="torch", vision_chunk_frames=0)
+ANCHOR = dict(zero_stage=3, loss="model", vision_chunk_frames=0, lora_dropout=False, keeps_outputs=True)
+# (shape, frames, input tokens, supervised, setup, world, measured peak GiB, measured per phase or None, source)
+MEASURED = [
+    ("qwen3_vl_4b", 64, 6617, 15, dict(zero_stage=2, **TRAIN_MAIN), 1, 11.4, None, "issue 9"),
+    ("qwen3_vl_4b", 128, 13178, 15, dict(zero_stage=2, **TRAIN_MAIN), 1, 14.1, None, "issue 9"),
+    ("qwen3_vl_4b", 256, 26326, 15, dict(zero_stage=2, **TRAIN_MAIN), 1, 19.6, None, "issue 9"),
+    ("qwen3_vl_4b", 512, 52695, 15, dict(zero_stage=2, **TRAIN_MAIN), 1, 30.5, None, "issue 9"),
+    ("qwen3_vl_8b", 64, 6617, 15, dict(zero_stage=2, **TRAIN_MAIN), 1, 20.6, None, "issue 9"),
+    ("qwen3_vl_4b", 64, 6617, 15, dict(zero_stage=3, **TRAIN_MAIN), 1, 12.2, None, "issue 9"),
+    ("qwen3_vl_4b", 64, 6617, 15, dict(zero_stage=3, prefetch_bucket=5e8, **TRAIN_MAIN), 1, 13.1, None, "issue 9"),
+    ("qwen3_5_9b", 64, 6617, 15, dict(zero_stage=2, **TRAIN_MAIN), 1, 23.6, None, "issue 9"),
+    ("qwen3_5_9b", 64, 6617, 15, dict(zero_stage=3, **TRAIN_MAIN), 1, 24.7, None, "issue 9"),
+    ("qwen3_vl_4b", 64, 6667, 180, ANCHOR, 1, 23.2, None, "issue 9"),
+    ("qwen3_vl_4b", 128, 13131, 180, ANCHOR, 1, 37.3, None, "issue 9"),
+    ("qwen3_vl_4b", 64, 6617, 15, dict(zero_stage=2, **TRAIN_MAIN), 2, 11.26,
+     {"forward": 10.49, "backward": 11.26, "optimizer_step": 8.71}, "BENCHMARKS.md"),
+    ("qwen3_vl_4b", 64, 6617, 15, dict(zero_stage=3, loss="model", vision_chunk_frames=0), 2, 17.68,
+     {"load": 5.24, "forward": 14.98, "backward": 17.68, "optimizer_step": 4.57}, "BENCHMARKS.md"),
+    ("qwen3_vl_4b", 64, 6667, 180, ANCHOR, 2, 19.65, None, "BENCHMARKS.md"),
+]
+
+
+@pytest.fixture(scope="module")
+def shapes() -> dict[str, ModelShape]:
+    return {name: ModelShape.from_shape_file(name) for name in ("qwen3_vl_4b", "qwen3_vl_8b", "qwen3_5_9b")}
+
+
+def _work(frames, tokens, supervised):
+    return Workload.synthetic(frames=frames, tokens_per_group=196, input_tokens=tokens, supervised=supervised)
+
+
+def test_every_prediction_is_within_15_percent_of_the_measured_peak(shapes):
+    errors = []
+    for name, frames, tokens, sup, setup, world, peak, phases, source in MEASURED:
+        pred = predict(shapes[name], _work(frames, tokens, sup), Setup(**setup), world=world)
+        errors.append((name, frames, setup["zero_stage"], world, round(pred.peak_gib / peak - 1, 3)))
+        for phase, measured in (phases or {}).items():
+            errors.append((name, frames, phase, world, round(pred.phases[phase] / measured - 1, 3)))
+    bad = [e for e in errors if abs(e[-1]) > 0.15]
+    assert not bad, bad
+    assert max(abs(e[-1]) for e in errors) > 0  # a real comparison, not a copy of the table
+
+
+def test_the_parts_follow_the_configuration(shapes):
+    """Each lever moves the part it should: checkpointing, offload, ZeRO-3 partitions, quantization, loss."""
+    s, w = shapes["qwen3_vl_4b"], _work(256, 26326, 15)
+
+    def p(**kw):
+        return predict(s, w, Setup(**{"zero_stage": 2, **kw}))
+
+    assert p(checkpointing="none").parts["kept_layers"] > 10 * p(checkpointing="all").parts["boundaries"]
+    assert 0 < p(checkpointing="every-2").parts["kept_layers"] < p(checkpointing="none").parts["kept_layers"]
+    assert p(offload_activations=True).parts["boundaries"] == 0 < p().parts["boundaries"]
+    assert p(quantize_base="nf4").parts["weights"] < 0.4 * p().parts["weights"]
+    assert p(loss="model").parts["head"] > 100 * p(loss="chunked").parts["head"]
+    assert p(vision_chunk_frames=32).parts["vision_transient"] == pytest.approx(p(vision_chunk_frames=0).parts["vision_transient"] / 8)  # 32 of 256 frames
+    z3 = [predict(s, w, Setup(zero_stage=3), world=n).parts["weights"] for n in (1, 2, 4)]
+    assert z3[0] > z3[1] > z3[2] and z3[1] - z3[2] == pytest.approx((z3[0] - z3[1]) / 2)
+
+
+def test_the_planner_picks_the_fastest_configuration_that_fits(shapes):
+    s = shapes["qwen3_vl_4b"]
+    big = choose(s, _work(64, 6617, 15), gpu_mem_gib=139)
+    assert big.fits and big.pick.setup.name() == "zero2+ckpt-none"  # everything fits: no recompute at all
+    small = choose(s, _work(64, 6617, 15), gpu_mem_gib=12)
+    assert small.fits and small.pick.peak_gib <= 12 * 0.95
+    assert small.pick.setup.checkpointing != "none"
+    names = [p.setup.name() for p, _ in small.table]
+    assert names.index(small.pick.setup.name()) == min(i for i, (_, ok) in enumerate(small.table) if ok)
+    huge = choose(s, _work(1024, 105000, 15), gpu_mem_gib=12)
+    assert not huge.fits and huge.pick.peak_gib == min(p.peak_gib for p, _ in huge.table)
+    assert "NOTHING FITS" in huge.message()
+    quantized = choose(s, _work(64, 6617, 15), gpu_mem_gib=8,
+                       setups=candidates(world=1, quantize_base="nf4"))
+    assert all(p.setup.quantize_base == "nf4" and p.setup.zero_stage != 3 for p, _ in quantized.table)
+    assert json.loads(json.dumps(big.to_json()))["pick"]["flags"][:2] == ["--zero-stage", "2"]
+
+
+def test_plan_cli_reads_the_manifest_and_picks(tiny_cache, built_shards, capsys):
+    from train.plan import main
+
+    assert main(["--model", str(tiny_cache / "tiny_qwen3_vl"), "--shards", str(built_shards), "--gpus", "2",
+                 "--gpu-mem", "0.05", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["workload"]["tokens"] == 324 and out["workload"]["sample_ids"]  # the longest sample of the build
+    assert out["gpu_mem_gib"] == 0.05 and out["candidates"] and out["pick"]["setup"]
+    assert main(["--model", str(tiny_cache / "tiny_qwen3_vl"), "--shards", str(built_shards), "--gpu-mem", "80",
+                 "--max-tokens-per-batch", "1100", "--pack"]) == 0
+    text = capsys.readouterr().out
+    assert "heaviest micro-batch: " in text and "pick (fastest that fits): zero2+ckpt-none" in text

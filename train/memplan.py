@@ -1,0 +1,385 @@
+"""Memory planner: peak GPU memory per phase of one rank for the heaviest micro-batch of a run, and the
+fastest configuration that fits a given card.
+
+The prediction is a sum of named parts, each counted from the model's shape (train/shapes.py) and the
+micro-batch (tokens, supervised positions, vision patches), in bytes:
+
+- weights: the frozen base in bf16 on every rank (ZeRO 0-2), a 1/world partition plus the gather window
+  under ZeRO-3 (its largest tensor, the embedding, gathered whole, plus two prefetch buckets, at most
+  stage3_max_live_parameters), only the gather
+  window with parameter offload; the language model's linear weights at 0.53 (nf4) / 1.0 (int8) bytes with
+  --quantize-base.
+- trainable: bf16 parameters and gradients, fp32 gradient partition, fp32 master + Adam moments (12 bytes)
+  partitioned over ranks by the ZeRO stage (optimizer from stage 1, gradients from 2, parameters at 3) or on
+  the host with optimizer offload.
+- boundaries: the input of every checkpointed decoder layer ([tokens, hidden] in bf16), on the host with
+  --offload-activations; kept: every activation a non-checkpointed layer saves for backward.
+- layer activations (what one decoder layer saves for backward, per token) are enumerated tensor by tensor
+  in `layer_bytes_per_token`: norms in fp32, the projections' shared input, one dropout output + mask per
+  LoRA-targeted projection (lora_dropout > 0), q/k norms in fp32, rotary outputs, sdpa's q, k, v and
+  output, the output gate (Qwen3.5), the MLP's gate/up/act/product and the linear-attention layers' conv
+  and recurrent-state tensors. Backward recomputes one checkpointed layer at a time: its activations plus
+  one [tokens, intermediate] gradient are the working set.
+- head: the loss. Full logits (the plain stack): 12 bytes per (position, vocab) entry at the start of
+  backward (bf16 logits, fp32 log-softmax output, fp32 gradients of both), 14 when the caller holds the
+  model outputs through backward (as the anchor script does); at supervised positions only (torch) the same
+  per supervised position; chunked: one chunk of 1024 positions.
+- vision: the frozen tower's transient per patch of one chunk (residual, fc1 + activation, fp32 q/k for
+  the rotary) and the merged + deepstack features handed to the language model.
+
+Phases: forward = weights + trainable + max(vision, boundaries + kept + head's forward part); backward =
+weights + trainable + boundaries + kept + max(head, working set); optimizer step = weights + trainable +
+fp32 temporaries. No coefficient is fitted; one modelling choice was made after comparing with the 4B
+64-512 frame sweep (one [tokens, intermediate] gradient in the working set, not the MLP's three).
+tests/test_memplan.py checks every prediction against the peaks measured on H200s (issue 9's table and
+BENCHMARKS.md: 14 runs, 4B/8B/Qwen3.5-9B shapes, ZeRO-2/3, 1 and 2 GPUs, 64-512 frames, plain and
+supervised-only loss, and 7 per-phase peaks) within 15%: peaks land within 6.3%, phases within 12%. Measured with
+transformers' torch fallback for Qwen3.5's linear attention (fla's kernels save less; unmeasured) and
+before the vision and chunked-loss levers existed (their parts are counted, not yet measured).
+
+`choose` walks the candidates fastest first (ZeRO-2 with less checkpointing > ZeRO-2 > ZeRO-3 > +activation
+offload > +optimizer offload > +parameter offload; a quantized base only when asked for, since it changes
+the model) and returns the first whose predicted peak fits the card with `HEADROOM`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Sequence
+
+from train.activations import Checkpointing
+from train.shapes import LayerShape, ModelShape
+
+GIB = 2**30
+HEADROOM = 0.95  # fits when the predicted peak <= 95% of the card (allocator fragmentation, CUDA context)
+MAX_LIVE = 1e8  # elements: stage3_max_live_parameters of the default DeepSpeed config
+QUANT_BYTES = {"nf4": 0.53, "int8": 1.0}  # bytes per quantized weight, scales included
+LOSS_CHUNK = 1024  # supervised positions per chunk (train.loss.LossSpec.chunk_positions)
+LOSS_KINDS = ("model", "torch", "chunked", "liger")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Workload:
+    """The micro-batch the plan is made for (the heaviest of the run)."""
+
+    tokens: int  # positions the language model runs: rows x row length (padding included)
+    supervised: int  # positions with a loss
+    patches: int  # vision-tower patch rows (merge^2 per visual token)
+    visual_tokens: int
+    patches_per_group: int  # patch rows of the largest temporal group (h x w)
+    sample_ids: tuple[str, ...] = ()
+
+    @classmethod
+    def synthetic(cls, *, frames: int, tokens_per_group: int, input_tokens: int, supervised: int,
+                  merge: int = 2) -> "Workload":
+        """A bench-style window: frames/2 temporal groups of tokens_per_group merged tokens each."""
+        groups = frames // 2
+        visual = groups * tokens_per_group
+        return cls(tokens=input_tokens, supervised=supervised, patches=visual * merge * merge, visual_tokens=visual,
+                   patches_per_group=tokens_per_group * merge * merge)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Setup:
+    """One configuration of the trainer, as far as memory goes."""
+
+    zero_stage: int
+    checkpointing: str = "all"  # all | none | every-K
+    offload_activations: bool = False
+    quantize_base: str | None = None
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    prefetch_bucket: float = 5e6  # stage3_prefetch_bucket_size (elements)
+    loss: str = "chunked"  # model (full logits) | torch | chunked | liger
+    vision_chunk_frames: int = 64  # 0: the whole micro-batch in one pass
+    finetune: str = "lora"
+    lora_r: int = 8
+    lora_dropout: bool = True  # dropout > 0 saves a copy of each LoRA input
+    keeps_outputs: bool = False  # the caller holds the model outputs (logits) through backward
+    exact: bool = True  # computes the same loss as the reference (a quantized base does not)
+
+    def name(self) -> str:
+        parts = [f"zero{self.zero_stage}", f"ckpt-{self.checkpointing}"]
+        parts += [x for x, on in (("offload-act", self.offload_activations), ("offload-opt", self.offload_optimizer),
+                                  ("offload-param", self.offload_params)) if on]
+        if self.quantize_base:
+            parts.append(self.quantize_base)
+        return "+".join(parts)
+
+    def flags(self) -> list[str]:
+        """train.main flags that select this configuration."""
+        out = ["--zero-stage", str(self.zero_stage), "--gradient-checkpointing", self.checkpointing]
+        out += [f for f, on in (("--offload-activations", self.offload_activations),
+                                ("--offload-optimizer", self.offload_optimizer),
+                                ("--offload-params", self.offload_params)) if on]
+        if self.quantize_base:
+            out += ["--quantize-base", self.quantize_base]
+        return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Prediction:
+    setup: Setup
+    phases: dict  # phase -> GiB (load, forward, backward, optimizer_step)
+    parts: dict  # part -> GiB (what the peak is made of)
+
+    @property
+    def peak_gib(self) -> float:
+        return max(self.phases.values())
+
+    def to_json(self) -> dict:
+        return {"setup": self.setup.name(), "flags": self.setup.flags(), "exact": self.setup.exact,
+                "peak_gib": round(self.peak_gib, 2), "phases_gib": {k: round(v, 2) for k, v in self.phases.items()},
+                "parts_gib": {k: round(v, 3) for k, v in self.parts.items()}}
+
+
+def layer_bytes_per_token(layer: LayerShape, shape: ModelShape, *, lora_dropout: bool, act: int = 2) -> float:
+    """Bytes one decoder layer saves for backward per token (bf16 activations, fp32 where the code upcasts)."""
+    H, I = shape.hidden, shape.intermediate
+    f32 = 4
+    lora = sum(n * w for w, n in layer.lora_inputs.items()) * (act + 1) if lora_dropout else 0  # output + mask
+    mlp = f32 * H + act * H + 4 * act * I  # norm (fp32), shared input, gate / act / up / product
+    if layer.kind == "full_attention":
+        q, kv = layer.q, layer.kv
+        mixer = (f32 * H + act * H  # input norm (fp32) and the q/k/v projections' shared input
+                 + f32 * (q + kv)  # q_norm / k_norm in fp32
+                 + 2 * act * (q + kv)  # rotary: q, k and their rotated halves
+                 + act * (q + 2 * kv) + act * q  # sdpa: q, k, v and its output (the o_proj input)
+                 + 2 * act * layer.gate)  # Qwen3.5 output gate and its sigmoid
+    else:
+        C, Vd = layer.conv, layer.value
+        k = (C - Vd) // 2  # query = key width
+        mixer = (f32 * H + act * H  # input norm, projections' input
+                 + 3 * act * C  # conv input, conv output, silu output
+                 + 2 * 2 * f32 * k + f32 * Vd  # q, k l2-normalized in fp32 (input and output), v in fp32
+                 + 4 * f32 * 64 * layer.v_heads  # chunked intra-chunk matrices (chunk 64) per value head
+                 + 3 * f32 * Vd  # recurrence: new values, key/value updates
+                 + f32 * Vd + act * Vd + 2 * f32 * Vd + act * Vd)  # core output, z, gated norm, out_proj input
+    return mixer + mlp + lora
+
+
+def _trainable_params(shape: ModelShape, setup: Setup) -> int:
+    if setup.finetune == "lora":
+        return shape.lora_params(setup.lora_r)
+    return shape.params_total - shape.params_vision
+
+
+def predict(shape: ModelShape, work: Workload, setup: Setup, *, world: int = 1, act: int = 2) -> Prediction:
+    """Peak GiB per phase of one rank (see the module docstring for every part)."""
+    T, S = work.tokens, work.supervised
+    n_train = _trainable_params(shape, setup)
+    frozen = shape.params_total - (0 if setup.finetune == "lora" else n_train)
+    weights = frozen * act
+    if setup.quantize_base:
+        quantized = shape.linear_params if setup.finetune == "lora" else 0
+        weights -= quantized * (act - QUANT_BYTES[setup.quantize_base])
+    stage = setup.zero_stage
+    window = act * (shape.largest_param + min(2 * setup.prefetch_bucket, MAX_LIVE)) if stage == 3 else 0
+    if stage == 3:
+        weights = (0 if setup.offload_params else weights / world) + window
+    # trainable: bf16 param + bf16 grad buffer, fp32 grad partition, fp32 master + Adam m, v
+    w_opt = world if stage >= 1 else 1
+    w_grad = world if stage >= 2 else 1
+    w_param = world if stage == 3 else 1
+    host_opt = setup.offload_optimizer
+    trainable = n_train * (act / w_param + act + (0 if host_opt else 4 / w_grad + 12 / w_opt))
+
+    spec = Checkpointing.parse(setup.checkpointing)
+    ckpt = set(spec.layers(len(shape.layers)))
+    per_layer = [layer_bytes_per_token(layer, shape, lora_dropout=setup.lora_dropout and setup.finetune == "lora",
+                                       act=act) for layer in shape.layers]
+    boundaries = 0 if setup.offload_activations else len(ckpt) * T * shape.hidden * act
+    kept = sum(b * T for i, b in enumerate(per_layer) if i not in ckpt)
+    grad = act * shape.intermediate * T  # the largest gradient alive beside the layer's saved tensors
+    working = (max(per_layer[i] for i in ckpt) * T if ckpt else 0) + grad
+
+    V = shape.vocab
+    per_entry = 12 + (2 if setup.keeps_outputs else 0)
+    head = {"model": T * V * per_entry, "torch": S * V * per_entry,
+            "chunked": min(S, LOSS_CHUNK) * V * 12, "liger": min(S, LOSS_CHUNK) * V * 8}[setup.loss]
+    head_forward = head * 10 / 12  # bf16 logits + fp32 copy + fp32 log-softmax output, before any gradient
+
+    groups_per_chunk = setup.vision_chunk_frames // 2 if setup.vision_chunk_frames else 0
+    chunk_patches = min(work.patches, groups_per_chunk * work.patches_per_group) if groups_per_chunk else work.patches
+    Hv, Iv = shape.vision_hidden, shape.vision_intermediate
+    vision_transient = chunk_patches * (act * (2 * Hv + 2 * Iv) + 4 * 2 * Hv)
+    vision_out = work.visual_tokens * shape.vision_out * act * (1 + shape.deepstack)
+
+    static = weights + trainable
+    forward = static + max(vision_transient + vision_out, boundaries + kept + vision_out + head_forward)
+    backward = static + boundaries + kept + max(head, working)
+    optimizer = static + (0 if host_opt else 2 * 4 * n_train / w_opt)
+    load = weights
+    parts = {"weights": weights, "trainable": trainable, "boundaries": boundaries, "kept_layers": kept,
+             "working_set": working, "head": head, "vision_transient": vision_transient, "vision_outputs": vision_out}
+    phases = {"load": load, "forward": forward, "backward": backward, "optimizer_step": optimizer}
+    return Prediction(setup=setup, phases={k: v / GIB for k, v in phases.items()},
+                      parts={k: v / GIB for k, v in parts.items()})
+
+
+def candidates(*, world: int, loss: str = "chunked", finetune: str = "lora", lora_r: int = 8, lora_dropout: bool = True,
+               vision_chunk_frames: int = 64, quantize_base: str | None = None, zero_stage: int | None = None,
+               checkpointing: str | None = None, offload_optimizer: bool = False,
+               offload_params: bool = False) -> list[Setup]:
+    """Configurations fastest first. Fixed choices (a given stage or checkpointing) narrow the list; a
+    quantized base is included only when asked for (it changes the model, so auto never picks it alone)."""
+    common = dict(loss=loss, finetune=finetune, lora_r=lora_r, lora_dropout=lora_dropout,
+                  vision_chunk_frames=vision_chunk_frames)
+    order: list[dict] = [dict(zero_stage=2, checkpointing="none"), dict(zero_stage=2, checkpointing="every-2"),
+                         dict(zero_stage=2, checkpointing="all"), dict(zero_stage=3, checkpointing="all"),
+                         dict(zero_stage=2, checkpointing="all", offload_activations=True),
+                         dict(zero_stage=3, checkpointing="all", offload_activations=True),
+                         dict(zero_stage=3, checkpointing="all", offload_activations=True, offload_optimizer=True),
+                         dict(zero_stage=3, checkpointing="all", offload_activations=True, offload_optimizer=True,
+                              offload_params=True)]
+    out = []
+    for o in order:
+        o = dict(o)
+        if offload_optimizer:
+            o["offload_optimizer"] = True
+        if offload_params:
+            o.update(zero_stage=3, offload_params=True)
+        if quantize_base:
+            if o["zero_stage"] == 3:
+                continue  # bitsandbytes weights are not ZeRO-3 partitioned
+            o["quantize_base"] = quantize_base
+        if zero_stage is not None and o["zero_stage"] != zero_stage:
+            o["zero_stage"] = zero_stage
+        if checkpointing is not None:
+            o["checkpointing"] = checkpointing
+            if checkpointing == "none":
+                o.pop("offload_activations", None)
+        if world == 1 and o["zero_stage"] == 3 and not o.get("offload_params"):
+            pass  # kept: on one GPU ZeRO-3 saves nothing but stays a valid (slower) choice
+        setup = Setup(**o, **common, exact=not quantize_base)
+        if setup not in out:
+            out.append(setup)
+    return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Choice:
+    """The planner's answer."""
+
+    pick: Prediction
+    fits: bool  # False: nothing fits; `pick` is the configuration with the smallest predicted peak
+    gpu_mem_gib: float
+    table: list  # [(Prediction, fits)] in candidate order
+    workload: Workload
+
+    def message(self) -> str:
+        lines = [f"heaviest micro-batch: {self.workload.tokens} tokens ({self.workload.visual_tokens} visual, "
+                 f"{self.workload.supervised} supervised, {self.workload.patches} vision patches)"
+                 + (f": {', '.join(self.workload.sample_ids[:4])}" if self.workload.sample_ids else ""),
+                 f"card: {self.gpu_mem_gib:.1f} GiB, usable {self.gpu_mem_gib * HEADROOM:.1f} GiB "
+                 f"({HEADROOM:.0%} headroom rule)",
+                 f"{'configuration':<44} {'load':>6} {'fwd':>6} {'bwd':>6} {'opt':>6} {'peak':>6}  fits"]
+        for pred, ok in self.table:
+            p = pred.phases
+            lines.append(f"{pred.setup.name():<44} {p['load']:>6.1f} {p['forward']:>6.1f} {p['backward']:>6.1f} "
+                         f"{p['optimizer_step']:>6.1f} {pred.peak_gib:>6.1f}  {'yes' if ok else 'no'}")
+        verdict = "fastest that fits" if self.fits else "NOTHING FITS; smallest predicted peak"
+        lines.append(f"pick ({verdict}): {self.pick.setup.name()}  ->  {' '.join(self.pick.setup.flags())}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {"gpu_mem_gib": self.gpu_mem_gib, "headroom": HEADROOM, "fits": self.fits,
+                "workload": dataclasses.asdict(self.workload), "pick": self.pick.to_json(),
+                "candidates": [dict(p.to_json(), fits=ok) for p, ok in self.table]}
+
+
+def choose(shape: ModelShape, work: Workload, *, gpu_mem_gib: float, world: int = 1,
+           setups: Sequence[Setup] | None = None) -> Choice:
+    """The first (fastest) configuration whose predicted peak fits `gpu_mem_gib` x HEADROOM."""
+    setups = list(setups) if setups is not None else candidates(world=world)
+    table = [(p, p.peak_gib <= gpu_mem_gib * HEADROOM) for p in (predict(shape, work, s, world=world) for s in setups)]
+    for pred, ok in table:
+        if ok:
+            return Choice(pick=pred, fits=True, gpu_mem_gib=gpu_mem_gib, table=table, workload=work)
+    smallest = min((p for p, _ in table), key=lambda p: p.peak_gib)
+    return Choice(pick=smallest, fits=False, gpu_mem_gib=gpu_mem_gib, table=table, workload=work)
+
+
+def heaviest_workload(records, micro_batches, *, pack: bool, merge: int = 2) -> Workload:
+    """The micro-batch of the plan with the most language-model tokens (padded rows, or one packed row)."""
+    by_id = {r.sample_id: r for r in records}
+    best = None
+    for mb in micro_batches:
+        rs = [by_id[s] for s in mb.sample_ids]
+        tokens = sum(r.input_tokens for r in rs) if pack else max(r.input_tokens for r in rs) * len(rs)
+        if best is None or tokens > best.tokens:
+            best = Workload(tokens=tokens, supervised=sum(r.supervised_tokens for r in rs),
+                            patches=sum(r.grid_t * r.grid_h * r.grid_w for r in rs),
+                            visual_tokens=sum(r.visual_tokens for r in rs),
+                            patches_per_group=max(r.grid_h * r.grid_w for r in rs), sample_ids=tuple(mb.sample_ids))
+    if best is None:
+        raise ValueError("the plan holds no micro-batch")
+    return best
+
+
+def dumps(choice: Choice) -> str:
+    return json.dumps(choice.to_json(), indent=1)
+
+
+def plan_for_run(model_dir, shards, *, gpus: int, gpu_mem_gib: float, micro_batch_size: int = 1,
+                 max_tokens_per_batch: int | None = None, pack: bool = False, finetune: str = "lora", lora_r: int = 8,
+                 lora_dropout: float = 0.05, loss: str = "chunked", vision_chunk_frames: int = 64,
+                 quantize_base: str | None = None, zero_stage: int | None = None,
+                 checkpointing: str | None = None, offload_optimizer: bool = False,
+                 offload_params: bool = False) -> Choice:
+    """The plan `train.main` would make: its data plan over the manifest (heaviest micro-batch), the model's
+    shape from config.json (no weights), the candidates under the fixed choices."""
+    from schemas.manifest import SampleRecord, read_records
+    from train.plan import PlanConfig, plan_epoch
+
+    records = read_records(shards / "manifest.parquet", SampleRecord)
+    cfg = PlanConfig(world_size=1, micro_batch_size=micro_batch_size, tail="pad",
+                     max_tokens_per_batch=max_tokens_per_batch, pack=pack)
+    plan = plan_epoch(records, cfg, 0)  # every sample once: the heaviest micro-batch does not depend on ranks
+    shape = ModelShape.from_dir(model_dir)
+    work = heaviest_workload(records, [mb for step in plan.steps for rank in step for mb in rank], pack=pack,
+                             merge=shape.merge)
+    setups = candidates(world=gpus, loss=loss, finetune=finetune, lora_r=lora_r, lora_dropout=lora_dropout > 0,
+                        vision_chunk_frames=vision_chunk_frames, quantize_base=quantize_base, zero_stage=zero_stage,
+                        checkpointing=checkpointing, offload_optimizer=offload_optimizer, offload_params=offload_params)
+    return choose(shape, work, gpu_mem_gib=gpu_mem_gib, world=gpus, setups=setups)
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """python -m train.plan --model DIR --shards SHARDS --gpus N --gpu-mem GiB [--json]"""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(prog="train.plan", description="Predict the peak GPU memory per phase of a "
+                                 "training run for its heaviest micro-batch and pick the fastest configuration that "
+                                 "fits (the same rule train.main --zero-stage auto applies on CUDA).")
+    ap.add_argument("--model", type=Path, required=True, help="model directory (config.json is enough)")
+    ap.add_argument("--shards", type=Path, required=True, help="prep build output (manifest.parquet)")
+    ap.add_argument("--gpus", type=int, default=1, help="data-parallel ranks (ZeRO partitions over them)")
+    ap.add_argument("--gpu-mem", type=float, required=True, help="GiB per GPU (the card, or a --mem-cap-gib)")
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ap.add_argument("--micro-batch-size", type=int, default=1)
+    ap.add_argument("--max-tokens-per-batch", type=int, default=None)
+    ap.add_argument("--pack", action="store_true")
+    ap.add_argument("--finetune", choices=("lora", "full"), default="lora")
+    ap.add_argument("--lora-r", type=int, default=8)
+    ap.add_argument("--lora-dropout", type=float, default=0.05)
+    ap.add_argument("--loss-impl", choices=LOSS_KINDS, default="chunked", help="model = logits at every position")
+    ap.add_argument("--vision-chunk-frames", type=int, default=64)
+    ap.add_argument("--quantize-base", choices=tuple(QUANT_BYTES), default=None)
+    ap.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None, help="fix the stage")
+    ap.add_argument("--gradient-checkpointing", default=None, help="fix the checkpointing (all|none|every-K)")
+    a = ap.parse_args(argv)
+    try:
+        choice = plan_for_run(a.model, a.shards, gpus=a.gpus, gpu_mem_gib=a.gpu_mem,
+                              micro_batch_size=a.micro_batch_size, max_tokens_per_batch=a.max_tokens_per_batch,
+                              pack=a.pack, finetune=a.finetune, lora_r=a.lora_r, lora_dropout=a.lora_dropout,
+                              loss=a.loss_impl, vision_chunk_frames=a.vision_chunk_frames,
+                              quantize_base=a.quantize_base, zero_stage=a.zero_stage,
+                              checkpointing=a.gradient_checkpointing)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(dumps(choice) if a.json else choice.message())
+    return 0
