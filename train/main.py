@@ -290,6 +290,8 @@ class Recipe:
         work = heaviest_workload(list(self.store.records.values()),
                                  [mb for p in self.plans for step in p.steps for rank in step for mb in rank],
                                  pack=cfg.pack, merge=shape.merge)
+        if self.sp > 1:  # Ulysses: each rank of a group runs 1/sp of the sequence through the language model
+            work = dataclasses.replace(work, tokens=-(-work.tokens // self.sp), supervised=-(-work.supervised // self.sp))
         setups = candidates(world=self.world_size, loss="model" if cfg.full_logits else "chunked",
                             finetune=cfg.finetune, lora_r=cfg.lora_r, lora_dropout=cfg.lora_dropout > 0,
                             vision_chunk_frames=cfg.vision_chunk_frames, quantize_base=cfg.quantize_base,
