@@ -880,7 +880,8 @@ def _probe_all(paths: list[str], config: BuildConfig) -> list[ProbeResult | Prob
                                    f"{config.decode_timeout:g} s (its worker was killed and replaced)")
 
     out: list = [None] * len(paths)
-    with closing(distribute(probe_one, paths, processes=config.workers, stall_s=_stall_s(config),
+    # probes run here, also under --ray (where --workers may be unset: all of this machine's cores)
+    with closing(distribute(probe_one, paths, processes=config.workers or _cores(), stall_s=_stall_s(config),
                             on_stall=on_stall)) as results:
         for i, result in results:
             out[i] = result
