@@ -65,6 +65,9 @@ LEGS: dict[str, tuple[str, ...]] = {
     "zero3-offload-params": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--offload-optimizer",
                              "--offload-params"),
     "pack2": ("--pack", "--max-tokens-per-batch", "{pack_budget}"),
+    # one window split over every rank (train/sequence_parallel.py); {nproc} becomes --nproc
+    "zero3-sp": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--sequence-parallel", "{nproc}"),
+    "zero2-sp": ("--zero-stage", "2", "--gradient-checkpointing", "all", "--sequence-parallel", "{nproc}"),
     "linear-fla": ("--linear-attention", "fla"),
     "linear-torch": ("--linear-attention", "torch"),
 }
@@ -323,15 +326,15 @@ def run_anchor(leg: Leg, *, out: Path, nproc: int, steps: int, timeout: float, a
 
 def run_leg(leg: Leg, *, out: Path, nproc: int, steps: int, timeout: float, peak_tflops: float | None,
             tokens_per_frame: int = TOKENS_PER_GROUP, workers: int = 8, anchor: str | None = None,
-            work: Path | None = None) -> dict:
+            work: Path | None = None, samples: int | None = None) -> dict:
     """One leg; logs in `out`, models / shards / run directories in `work` (default `out`)."""
     work = work or out
     if leg.config == "anchor":
         return run_anchor(leg, out=out, nproc=nproc, steps=steps, timeout=timeout, anchor=anchor)
-    samples = max(nproc, 1) * (2 if leg.config == "pack2" else 1)
+    samples = samples or max(nproc, 1) * (2 if leg.config == "pack2" else 1)
     shards = make_shards(work, leg.frames, tokens_per_frame, samples, workers=workers)
     model = make_model(work, leg.size)
-    flags = list(LEGS[leg.config])
+    flags = [f.replace("{nproc}", str(max(nproc, 1))) for f in LEGS[leg.config]]
     if "{pack_budget}" in flags:
         from schemas.manifest import SampleRecord, read_records
 
@@ -383,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak per GPU for MFU")
     ap.add_argument("--anchor", default=None, help="the plain-stack script (default: shared/anchors/plain_stack_step.py "
                     "in or beside the checkout)")
+    ap.add_argument("--samples", type=int, default=None,
+                    help="windows in the synthetic shards (default: one per rank); a count the world size does not "
+                    "divide checks the ledger's tail rules at scale (the legs run with --tail pad)")
     ap.add_argument("--workers", type=int, default=8, help="prep build workers for the synthetic shards")
     ap.add_argument("--out", type=Path, default=Path("bench_train_out"), help="logs and results")
     ap.add_argument("--work", type=Path, default=None, help="models, shards and run directories (default --out)")
@@ -413,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 row.update(run_leg(leg, out=a.out, nproc=a.nproc, steps=a.steps, timeout=timeout,
                                    peak_tflops=a.peak_tflops, tokens_per_frame=a.tokens_per_frame, workers=a.workers,
-                                   anchor=a.anchor, work=a.work))
+                                   anchor=a.anchor, work=a.work, samples=a.samples))
             except (subprocess.SubprocessError, OSError, ValueError, KeyError) as e:  # recorded, next leg runs
                 row["error"] = f"{type(e).__name__}: {e}"
         row["elapsed_s"] = round(time.time() - t0, 1)

@@ -16,6 +16,7 @@ the one-rank computation):
   from [local tokens, all heads] to [all tokens, heads / N], causal sdpa runs over the whole sequence, and
   the output goes back the same way; the all-to-all is its own adjoint, so backward is another all-to-all.
   Key/value heads are repeated to the query heads first when N does not divide their count (GQA).
+  The core is torch's sdpa (causal, no mask): `--attention flash_attention_2` does not apply to the LLM here.
 - loss: each rank's partial loss is the sum of its supervised tokens' cross-entropy divided by the global
   supervised count, so the partial losses (and the LoRA gradients) summed over the group are the one-rank
   values. Under a data-parallel gradient average over the group the trainer multiplies by N.
