@@ -114,7 +114,7 @@ def test_vision_levers_and_loss_impls_give_the_model_own_loss_and_gradients(tiny
 
 
 def test_attention_paths_and_checkpointing_levels_give_the_same_loss_and_gradients(tiny_cache, built_shards):
-    """sdpa vs eager; checkpointing all / none / every-2 / all with saved inputs offloaded to host memory."""
+    """sdpa vs eager; checkpointing all / none / every-2 / all-but-1 / all with saved inputs offloaded to host."""
     from train.activations import Checkpointing, apply_checkpointing
 
     model_dir = tiny_cache / "tiny_qwen3_vl"
@@ -122,10 +122,10 @@ def test_attention_paths_and_checkpointing_levels_give_the_same_loss_and_gradien
     spec = LossSpec(impl="chunked", vision_no_grad=True)
     ref = _loss_and_grads(_lora(model_dir, attn="eager"), batch, spec)
     _assert_same(_loss_and_grads(_lora(model_dir, attn="sdpa"), batch, spec), ref)
-    for level, offload in (("none", False), ("every-2", False), ("all", True)):
+    for level, offload in (("none", False), ("every-2", False), ("all-but-1", False), ("all", True)):
         model = _lora(model_dir, checkpointing=False)
         chosen = apply_checkpointing(model.get_base_model(), Checkpointing.parse(level), offload=offload)
-        assert chosen == {"none": [], "every-2": [0], "all": [0, 1]}[level]
+        assert chosen == {"none": [], "every-2": [0], "all-but-1": [0], "all": [0, 1]}[level]
         _assert_same(_loss_and_grads(model, batch, spec), ref)
     with pytest.raises(ValueError, match="every-K"):
         Checkpointing.parse("every-0")
@@ -320,3 +320,30 @@ def test_quantized_base_config_plumbing_and_refusal_on_cpu():
     assert "needs a CUDA device" in quantize_problem("cpu")
     with pytest.raises(ValueError, match="choose nf4 or int8"):
         quantization_kwargs("fp8")
+
+
+def test_trainer_refuses_levers_this_device_or_family_cannot_run(tmp_path, built_shards):
+    """The trainer's own check (before any weight loads): Qwen3.5 packing, and the CUDA-only flags on CPU."""
+    from train.config import ConfigError, parse_config
+    from train.main import Recipe
+
+    class Log:
+        def event(self, *a, **k):
+            pass
+
+        def say(self, *a):
+            pass
+
+    def check(family: str, *flags: str):
+        recipe = Recipe(parse_config(["--shards", str(built_shards), "--output-dir", str(tmp_path), *flags]))
+        recipe.device, recipe.family, recipe.log = torch.device("cpu"), family, Log()
+        recipe._check_levers()
+
+    check("qwen3_vl", "--pack", "--max-tokens-per-batch", "2000")  # fine
+    with pytest.raises(ConfigError) as e:
+        check("qwen3_5", "--pack", "--max-tokens-per-batch", "2000", "--mem-cap-gib", "12", "--quantize-base", "nf4",
+              "--zero-stage", "2", "--attention", "flash_attention_2")
+    msg = str(e.value)
+    for part in ("--pack with Qwen3.5: its linear-attention layers", "--mem-cap-gib needs a CUDA device",
+                 "--quantize-base needs a CUDA device", "--attention flash_attention_2 needs a CUDA device"):
+        assert part in msg, msg

@@ -10,6 +10,7 @@ through backward, lora_dropout 0, 180 supervised tokens).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -70,6 +71,9 @@ def test_the_parts_follow_the_configuration(shapes):
 
     assert p(checkpointing="none").parts["kept_layers"] > 10 * p(checkpointing="all").parts["boundaries"]
     assert 0 < p(checkpointing="every-2").parts["kept_layers"] < p(checkpointing="none").parts["kept_layers"]
+    kept = [p(checkpointing=f"all-but-{n}").parts for n in (1, 2)]
+    assert kept[1]["kept_layers"] == pytest.approx(2 * kept[0]["kept_layers"])
+    assert kept[0]["boundaries"] - kept[1]["boundaries"] == pytest.approx(p().parts["boundaries"] / 36)
     assert p(offload_activations=True).parts["boundaries"] == 0 < p().parts["boundaries"]
     assert p(quantize_base="nf4").parts["weights"] < 0.4 * p().parts["weights"]
     assert p(loss="model").parts["head"] > 100 * p(loss="chunked").parts["head"]
@@ -85,6 +89,11 @@ def test_the_planner_picks_the_fastest_configuration_that_fits(shapes):
     small = choose(s, _work(64, 6617, 15), gpu_mem_gib=12)
     assert small.fits and small.pick.peak_gib <= 12 * 0.95
     assert small.pick.setup.checkpointing != "none"
+    mid = choose(s, _work(64, 6617, 15), gpu_mem_gib=24)  # all layers checkpointed would fit with room to spare
+    keep = int(mid.pick.setup.checkpointing.removeprefix("all-but-"))
+    assert 0 < keep < 36 and mid.pick.peak_gib <= 24 * 0.95
+    over = predict(s, _work(64, 6617, 15), dataclasses.replace(mid.pick.setup, checkpointing=f"all-but-{keep + 1}"))
+    assert over.peak_gib > 24 * 0.95  # the largest N that fits
     names = [p.setup.name() for p, _ in small.table]
     assert names.index(small.pick.setup.name()) == min(i for i, (_, ok) in enumerate(small.table) if ok)
     huge = choose(s, _work(1024, 105000, 15), gpu_mem_gib=12)
@@ -108,3 +117,26 @@ def test_plan_cli_reads_the_manifest_and_picks(tiny_cache, built_shards, capsys)
                  "--max-tokens-per-batch", "1100", "--pack"]) == 0
     text = capsys.readouterr().out
     assert "heaviest micro-batch: " in text and "pick (fastest that fits): zero2+ckpt-none" in text
+
+
+def test_zero_stage_auto_applies_the_pick_and_keeps_what_the_flags_fix(shapes, tmp_path):
+    """What train.main does with the planner on CUDA (the device query aside), and on CPU."""
+    from train.config import TrainConfig
+    from train.memplan import auto_config, needs_auto, without_gpu_figure
+
+    cfg = TrainConfig(shards=tmp_path, output_dir=tmp_path)
+    assert cfg.zero_stage is None and cfg.gradient_checkpointing == "auto" and needs_auto(cfg)
+    cpu = without_gpu_figure(cfg)
+    assert (cpu.zero_stage, cpu.gradient_checkpointing) == (3, "all")  # today's behaviour
+    s, w = shapes["qwen3_vl_4b"], _work(64, 6617, 15)
+    big, choice = auto_config(cfg, s, w, world=1, gpu_mem_gib=139)
+    assert (big.zero_stage, big.gradient_checkpointing, big.offload_activations) == (2, "none", False) and choice.fits
+    small, choice = auto_config(cfg, s, w, world=1, gpu_mem_gib=12)
+    assert small.gradient_checkpointing != "none" and choice.pick.peak_gib <= 12 * 0.95
+    fixed, choice = auto_config(TrainConfig(shards=tmp_path, output_dir=tmp_path, zero_stage=3), s, w, world=1,
+                                gpu_mem_gib=139)
+    assert fixed.zero_stage == 3 and all(p.setup.zero_stage == 3 for p, _ in choice.table)
+    preset = TrainConfig(shards=tmp_path, output_dir=tmp_path, preset="video-ora-zero3", gradient_checkpointing="all")
+    assert not needs_auto(preset) and without_gpu_figure(preset).zero_stage == 3
+    long, choice = auto_config(cfg, s, _work(256, 26326, 15), world=1, gpu_mem_gib=12)
+    assert long.offload_activations and choice.fits  # 256 frames in 12 GiB needs the boundaries on the host

@@ -1,10 +1,11 @@
 """What the language model keeps for backward: activation checkpointing per decoder layer, and the saved
 checkpoint inputs optionally held in host memory.
 
-`--gradient-checkpointing all|none|every-K|auto`: `all` recomputes every decoder layer in backward (keeps one
-[tokens, hidden] input per layer), `none` keeps every layer's activations (fastest, most memory), `every-K`
-checkpoints layers 0, K, 2K, ... of the language model, `auto` lets the memory planner pick the least
-checkpointing that fits (train/memplan.py; `all` where no GPU memory figure exists, e.g. on CPU).
+`--gradient-checkpointing all|none|every-K|all-but-N|auto`: `all` recomputes every decoder layer in backward
+(keeps one [tokens, hidden] input per layer), `none` keeps every layer's activations (fastest, most memory),
+`every-K` checkpoints layers 0, K, 2K, ..., `all-but-N` every layer except the last N, `auto` lets the memory
+planner pick the least checkpointing that fits: none, else all-but-N with the largest N that fits, else all
+(train/memplan.py; `all` where no GPU memory figure exists, e.g. on CPU).
 The vision blocks are never checkpointed: a frozen tower runs without autograd (train/vision.py).
 
 `--offload-activations`: the checkpointed layers' saved inputs go to pinned host memory in the forward and
@@ -16,18 +17,19 @@ from __future__ import annotations
 import dataclasses
 import re
 
-CHOICES = "auto|all|none|every-K"
+CHOICES = "auto|all|none|every-K|all-but-N"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Checkpointing:
-    """Every `every`-th language-model decoder layer is checkpointed (0: none)."""
+    """Every `every`-th language-model decoder layer is checkpointed (0: none), except the last `keep`."""
 
     every: int  # 1 = all, 0 = none, K = layers 0, K, 2K, ...
+    keep: int = 0  # all-but-N: the last N layers keep their activations (the planner's "only where needed")
 
     @classmethod
     def parse(cls, text: str) -> "Checkpointing":
-        """all | none | every-K (auto is resolved by the planner before this)."""
+        """all | none | every-K | all-but-N (auto is resolved by the planner before this)."""
         if text == "all":
             return cls(every=1)
         if text == "none":
@@ -35,13 +37,20 @@ class Checkpointing:
         m = re.fullmatch(r"every-(\d+)", text)
         if m and int(m.group(1)) >= 1:
             return cls(every=int(m.group(1)))
+        m = re.fullmatch(r"all-but-(\d+)", text)
+        if m:
+            return cls(every=1, keep=int(m.group(1)))
         raise ValueError(f"--gradient-checkpointing {text!r}: choose {CHOICES} (K >= 1)")
 
     def layers(self, n_layers: int) -> list[int]:
         """Indices of the checkpointed decoder layers."""
-        return [] if self.every == 0 else list(range(0, n_layers, self.every))
+        if self.every == 0:
+            return []
+        return list(range(0, max(0, n_layers - self.keep), self.every))
 
     def name(self) -> str:
+        if self.keep:
+            return f"all-but-{self.keep}"
         return {0: "none", 1: "all"}.get(self.every, f"every-{self.every}")
 
 

@@ -352,9 +352,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep parameters on CPU (ZeRO-3; with --deepspeed the file must say so too)")
     g = ap.add_argument_group("speed and memory levers")
     g.add_argument("--gradient-checkpointing", nargs="?", const="all", default=d.gradient_checkpointing,
-                   metavar="auto|all|none|every-K",
-                   help="recompute decoder layers in backward: all, none, every-K (layers 0, K, 2K, ...), or auto "
-                   "(the planner picks the least that fits; all where there is no GPU memory figure)")
+                   metavar="auto|all|none|every-K|all-but-N",
+                   help="recompute decoder layers in backward: all, none, every-K (layers 0, K, 2K, ...), all-but-N "
+                   "(all except the last N), or auto (the planner picks the least that fits; all where there is no "
+                   "GPU memory figure)")
     g.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_const", const="none",
                    help="same as --gradient-checkpointing none")
     g.add_argument("--offload-activations", action="store_true",

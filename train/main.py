@@ -269,20 +269,18 @@ class Recipe:
         picks the fastest exact configuration whose predicted peak fits the smallest card of the job (its free
         memory, or --mem-cap-gib); elsewhere, or with a --deepspeed file, today's behaviour: ZeRO-3 (the file's
         stage) and every layer checkpointed."""
-        fixed_stage = 3 if cfg.preset else cfg.zero_stage
-        auto_stage = fixed_stage is None and cfg.deepspeed is None
-        auto_ckpt = cfg.gradient_checkpointing == "auto"
-        if not (auto_stage or auto_ckpt):
-            return dataclasses.replace(cfg, zero_stage=fixed_stage)
-        if self.device.type != "cuda":
-            stage = fixed_stage if not auto_stage else 3
-            ckpt = "all" if auto_ckpt else cfg.gradient_checkpointing
-            self.log.event("auto", zero_stage=stage, gradient_checkpointing=ckpt,
-                           reason=f"no GPU memory figure on {self.device.type}: ZeRO-3, every layer checkpointed")
-            return dataclasses.replace(cfg, zero_stage=stage, gradient_checkpointing=ckpt)
-        from train.memplan import candidates, choose, heaviest_workload
+        from train.memplan import auto_config, heaviest_workload, needs_auto, without_gpu_figure
         from train.shapes import ModelShape
 
+        if not needs_auto(cfg):
+            return without_gpu_figure(cfg)
+        if self.device.type != "cuda" or cfg.deepspeed is not None:
+            resolved_cfg = without_gpu_figure(cfg)
+            self.log.event("auto", zero_stage=resolved_cfg.zero_stage,
+                           gradient_checkpointing=resolved_cfg.gradient_checkpointing,
+                           reason="a --deepspeed file decides" if cfg.deepspeed is not None else
+                           f"no GPU memory figure on {self.device.type}: ZeRO-3, every layer checkpointed")
+            return resolved_cfg
         free, _ = torch.cuda.mem_get_info(self.device)
         mem = torch.tensor([cfg.mem_cap_gib if cfg.mem_cap_gib else free / 2**30], device=self.device)
         torch.distributed.all_reduce(mem, op=torch.distributed.ReduceOp.MIN)  # every rank must pick the same
@@ -292,13 +290,7 @@ class Recipe:
                                  pack=cfg.pack, merge=shape.merge)
         if self.sp > 1:  # Ulysses: each rank of a group runs 1/sp of the sequence through the language model
             work = dataclasses.replace(work, tokens=-(-work.tokens // self.sp), supervised=-(-work.supervised // self.sp))
-        setups = candidates(world=self.world_size, loss="model" if cfg.full_logits else "chunked",
-                            finetune=cfg.finetune, lora_r=cfg.lora_r, lora_dropout=cfg.lora_dropout > 0,
-                            vision_chunk_frames=cfg.vision_chunk_frames, quantize_base=cfg.quantize_base,
-                            zero_stage=fixed_stage, checkpointing=None if auto_ckpt else cfg.gradient_checkpointing,
-                            offload_optimizer=cfg.offload_optimizer, offload_params=cfg.offload_params)
-        choice = choose(shape, work, gpu_mem_gib=float(mem.item()), world=self.world_size, setups=setups)
-        pick = choice.pick.setup
+        resolved_cfg, choice = auto_config(cfg, shape, work, world=self.world_size, gpu_mem_gib=float(mem.item()))
         self.log.event("memory_plan", **choice.to_json())
         self.log.say(choice.message())
         if not choice.fits:
@@ -306,12 +298,7 @@ class Recipe:
                          "(the prediction is within ~15%; --quantize-base nf4 shrinks the frozen weights 4x)")
         if self.rank == 0:
             write_json(self.run_dir / "memory_plan.json", choice.to_json())
-        return dataclasses.replace(
-            cfg, zero_stage=pick.zero_stage if cfg.deepspeed is None else cfg.zero_stage,
-            gradient_checkpointing=pick.checkpointing if auto_ckpt else cfg.gradient_checkpointing,
-            offload_activations=cfg.offload_activations or pick.offload_activations,
-            offload_optimizer=cfg.offload_optimizer or pick.offload_optimizer,
-            offload_params=cfg.offload_params or pick.offload_params)
+        return resolved_cfg
 
     def _check_levers(self) -> None:
         """Refuse, with the reason, a lever this device or family cannot run; route Qwen3.5's kernels."""

@@ -37,9 +37,10 @@ supervised-only loss, and 7 per-phase peaks) within 15%: peaks land within 6.3%,
 transformers' torch fallback for Qwen3.5's linear attention (fla's kernels save less; unmeasured) and
 before the vision and chunked-loss levers existed (their parts are counted, not yet measured).
 
-`choose` walks the candidates fastest first (ZeRO-2 with less checkpointing > ZeRO-2 > ZeRO-3 > +activation
+`choose` walks the candidates fastest first (ZeRO-2 without checkpointing > ZeRO-2 > ZeRO-3 > +activation
 offload > +optimizer offload > +parameter offload; a quantized base only when asked for, since it changes
-the model) and returns the first whose predicted peak fits the card with `HEADROOM`.
+the model), returns the first whose predicted peak fits the card with `HEADROOM`, and, where that one
+checkpoints every layer, leaves the last N layers un-checkpointed for the largest N that still fits.
 """
 from __future__ import annotations
 
@@ -225,7 +226,7 @@ def candidates(*, world: int, loss: str = "chunked", finetune: str = "lora", lor
     quantized base is included only when asked for (it changes the model, so auto never picks it alone)."""
     common = dict(loss=loss, finetune=finetune, lora_r=lora_r, lora_dropout=lora_dropout,
                   vision_chunk_frames=vision_chunk_frames)
-    order: list[dict] = [dict(zero_stage=2, checkpointing="none"), dict(zero_stage=2, checkpointing="every-2"),
+    order: list[dict] = [dict(zero_stage=2, checkpointing="none"),
                          dict(zero_stage=2, checkpointing="all"), dict(zero_stage=3, checkpointing="all"),
                          dict(zero_stage=2, checkpointing="all", offload_activations=True),
                          dict(zero_stage=3, checkpointing="all", offload_activations=True),
@@ -289,15 +290,38 @@ class Choice:
 
 
 def choose(shape: ModelShape, work: Workload, *, gpu_mem_gib: float, world: int = 1,
-           setups: Sequence[Setup] | None = None) -> Choice:
-    """The first (fastest) configuration whose predicted peak fits `gpu_mem_gib` x HEADROOM."""
+           setups: Sequence[Setup] | None = None, refine_checkpointing: bool = True) -> Choice:
+    """The first (fastest) configuration whose predicted peak fits `gpu_mem_gib` x HEADROOM. A pick that
+    checkpoints every layer is refined to all-but-N with the largest N that still fits (fewer recomputes),
+    unless the checkpointing was fixed."""
     setups = list(setups) if setups is not None else candidates(world=world)
-    table = [(p, p.peak_gib <= gpu_mem_gib * HEADROOM) for p in (predict(shape, work, s, world=world) for s in setups)]
-    for pred, ok in table:
+    budget = gpu_mem_gib * HEADROOM
+    table = [(p, p.peak_gib <= budget) for p in (predict(shape, work, s, world=world) for s in setups)]
+    for i, (pred, ok) in enumerate(table):
         if ok:
+            if refine_checkpointing and pred.setup.checkpointing == "all":
+                keep = _most_layers_kept(shape, work, pred.setup, world=world, budget=budget)
+                if keep:
+                    refined = predict(shape, work, dataclasses.replace(pred.setup, checkpointing=f"all-but-{keep}"),
+                                      world=world)
+                    table.insert(i, (refined, True))
+                    pred = refined
             return Choice(pick=pred, fits=True, gpu_mem_gib=gpu_mem_gib, table=table, workload=work)
     smallest = min((p for p, _ in table), key=lambda p: p.peak_gib)
     return Choice(pick=smallest, fits=False, gpu_mem_gib=gpu_mem_gib, table=table, workload=work)
+
+
+def _most_layers_kept(shape: ModelShape, work: Workload, setup: Setup, *, world: int, budget: float) -> int:
+    """The largest N < layers for which all-but-N still fits (0 if none); memory grows with N."""
+    lo, hi = 0, len(shape.layers) - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        s = dataclasses.replace(setup, checkpointing=f"all-but-{mid}")
+        if predict(shape, work, s, world=world).peak_gib <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def heaviest_workload(records, micro_batches, *, pack: bool, merge: int = 2) -> Workload:
@@ -383,3 +407,40 @@ def cli(argv: list[str] | None = None) -> int:
         return 2
     print(dumps(choice) if a.json else choice.message())
     return 0
+
+
+def needs_auto(cfg) -> bool:
+    """Whether a TrainConfig leaves the ZeRO stage or the checkpointing to the planner."""
+    stage = 3 if cfg.preset else cfg.zero_stage
+    return (stage is None and cfg.deepspeed is None) or cfg.gradient_checkpointing == "auto"
+
+
+def without_gpu_figure(cfg):
+    """Today's behaviour where there is no GPU memory to plan for (CPU, or a --deepspeed file decides):
+    ZeRO-3 (a file's own stage stays the file's) and every layer checkpointed."""
+    stage = 3 if cfg.preset else cfg.zero_stage
+    if stage is None and cfg.deepspeed is None:
+        stage = 3
+    ckpt = "all" if cfg.gradient_checkpointing == "auto" else cfg.gradient_checkpointing
+    return dataclasses.replace(cfg, zero_stage=stage, gradient_checkpointing=ckpt)
+
+
+def auto_config(cfg, shape: ModelShape, work: Workload, *, world: int, gpu_mem_gib: float):
+    """(cfg with the planner's pick applied, the Choice): the stage and checkpointing the flags leave to
+    auto, plus any offload the pick needs; what the flags fix stays fixed (candidates narrowed to it)."""
+    fixed_stage = 3 if cfg.preset else cfg.zero_stage
+    auto_ckpt = cfg.gradient_checkpointing == "auto"
+    setups = candidates(world=world, loss="model" if cfg.full_logits else "chunked", finetune=cfg.finetune,
+                        lora_r=cfg.lora_r, lora_dropout=cfg.lora_dropout > 0,
+                        vision_chunk_frames=cfg.vision_chunk_frames, quantize_base=cfg.quantize_base,
+                        zero_stage=fixed_stage, checkpointing=None if auto_ckpt else cfg.gradient_checkpointing,
+                        offload_optimizer=cfg.offload_optimizer, offload_params=cfg.offload_params)
+    choice = choose(shape, work, gpu_mem_gib=gpu_mem_gib, world=world, setups=setups)
+    pick = choice.pick.setup
+    resolved = dataclasses.replace(
+        cfg, zero_stage=pick.zero_stage,
+        gradient_checkpointing=pick.checkpointing if auto_ckpt else cfg.gradient_checkpointing,
+        offload_activations=cfg.offload_activations or pick.offload_activations,
+        offload_optimizer=cfg.offload_optimizer or pick.offload_optimizer,
+        offload_params=cfg.offload_params or pick.offload_params)
+    return resolved, choice
