@@ -126,16 +126,27 @@ def make_shards(out: Path, frames: int, tokens_per_frame: int, samples: int, wor
 
 
 def make_model(out: Path, size: str) -> Path:
-    """The random-weight model of a train/configs shape (initialized on the GPU when there is one)."""
-    import torch
-
-    from train.models import create_random_model
-
+    """The random-weight model of a train/configs shape, initialized on the GPU when there is one, in a child
+    process: the bench itself never holds a CUDA context (it would count as memory used by others)."""
     model = out / f"model_{size}"
     if not (model / "config.json").exists():
-        create_random_model(size, model, dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available() else "cpu")
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        code = ("import sys, torch; from train.models import create_random_model; "
+                "create_random_model(sys.argv[1], sys.argv[2], dtype=torch.bfloat16, "
+                "device='cuda' if torch.cuda.is_available() else 'cpu')")
+        subprocess.run([sys.executable, "-c", code, size, str(model)], check=True, cwd=REPO, timeout=1200,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
     return model
+
+
+def gpu_name() -> str | None:
+    """The first GPU's name from nvidia-smi (no CUDA context in this process), or None."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    names = out.stdout.strip().splitlines()
+    return names[0].strip() if out.returncode == 0 and names else None
 
 
 def environment() -> dict:
@@ -149,13 +160,13 @@ def environment() -> dict:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             versions[pkg] = None
-    from train.memory import device_info
-
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,memory.used,driver_version",
-                          "--format=csv,noheader"], capture_output=True, text=True, timeout=60) \
-        if subprocess.run(["which", "nvidia-smi"], capture_output=True).returncode == 0 else None
-    return {"python": sys.version.split()[0], "packages": versions, "devices": device_info(),
-            "nvidia_smi": smi.stdout.strip() if smi is not None else None, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,memory.used,driver_version",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        smi = None  # no GPU here
+    return {"python": sys.version.split()[0], "packages": versions, "nvidia_smi": smi,
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 # ------------------------------------------------------------------------------------------------- running
@@ -282,10 +293,8 @@ def _prediction_and_mfu(run: Path, cfg: dict, model: Path, *, step_s: float, wor
                             sample_tokens=[r.input_tokens for r in rs] if cfg.get("pack") else None,
                             full_finetune=cfg.get("finetune") == "full")["total"]
     peak = peak_tflops
-    if peak is None:
-        import torch
-
-        peak = device_peak(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+    if peak is None and (name := gpu_name()) is not None:
+        peak = device_peak(name)
     out = {"predicted_peak_gib": round(pred.peak_gib, 2), "predicted_phases_gib": {k: round(v, 2) for k, v in pred.phases.items()},
            "prediction_error": round(pred.peak_gib / measured - 1, 3) if measured else None,
            "useful_tflop_per_step": round(flops / 1e12, 2)}
