@@ -347,3 +347,34 @@ def test_trainer_refuses_levers_this_device_or_family_cannot_run(tmp_path, built
     for part in ("--pack with Qwen3.5: its linear-attention layers", "--mem-cap-gib needs a CUDA device",
                  "--quantize-base needs a CUDA device", "--attention flash_attention_2 needs a CUDA device"):
         assert part in msg, msg
+
+
+def test_liger_falls_back_to_its_ops_function_when_its_transformers_patches_do_not_import(monkeypatch):
+    """liger-kernel 0.8.5's transformers integration fails on transformers 5.24; its ops-level function is called
+    by parameter name instead (here a stand-in with liger's signature computing the same cross-entropy)."""
+    import sys
+    import types
+
+    import torch.nn.functional as F
+
+    from train import loss
+
+    class FakeFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, _input, weight, target, bias=None, ce_weight=None, ignore_index=-100, lse_square_scale=0.0,
+                    label_smoothing=0.0, reduction="mean", softcap=None, return_z_loss=False):
+            assert ignore_index == -100 and reduction == "mean" and bias is None
+            return F.cross_entropy(F.linear(_input, weight).float(), target), None
+
+    ops = types.ModuleType("liger_kernel.ops.fused_linear_cross_entropy")
+    ops.LigerFusedLinearCrossEntropyFunction = FakeFunction
+    broken = types.ModuleType("liger_kernel.transformers.fused_linear_cross_entropy")
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.ops", types.ModuleType("liger_kernel.ops"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.ops.fused_linear_cross_entropy", ops)
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.fused_linear_cross_entropy", broken)  # no class in it
+    fn, errors = loss._liger_loss_fn()
+    assert fn is not None and "liger_kernel.transformers" in errors[0]
+    torch.manual_seed(0)
+    w, h, t = torch.randn(50, 8), torch.randn(6, 8), torch.randint(0, 50, (6,))
+    torch.testing.assert_close(fn(w, h, t), F.cross_entropy(F.linear(h, w), t))

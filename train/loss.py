@@ -48,15 +48,52 @@ class LossSpec:
         return self.vision_no_grad or self.vision_chunk_frames > 0
 
 
+def _liger_loss_fn():
+    """liger's fused linear cross-entropy as fn(weight, hidden, target) -> mean loss: its module API, or, where
+    liger's transformers integration fails to import against the installed transformers, its ops-level
+    autograd function (which does not touch transformers), called by parameter name."""
+    import inspect
+
+    errors = []
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+        module = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)
+        return lambda w, h, t: _first(module(w, h, t)), errors
+    except Exception as e:  # ImportError, or liger's model patches failing against this transformers
+        errors.append(f"liger_kernel.transformers: {type(e).__name__}: {e}")
+    try:
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction as fn
+
+        names = list(inspect.signature(fn.forward).parameters)[1:]  # after ctx
+        given = {"_input": None, "weight": None, "target": None, "ignore_index": IGNORE_INDEX, "reduction": "mean"}
+        defaults = {n: p.default for n, p in inspect.signature(fn.forward).parameters.items()}
+        missing = [n for n in names if n not in given and defaults[n] is inspect.Parameter.empty]
+        if missing or names[:3] != ["_input", "weight", "target"]:
+            raise TypeError(f"unexpected signature {names}")
+
+        def call(w, h, t):
+            values = dict(given, _input=h, weight=w, target=t)
+            return _first(fn.apply(*[values[n] if n in values else defaults[n] for n in names]))
+
+        return call, errors
+    except Exception as e:
+        errors.append(f"liger_kernel.ops: {type(e).__name__}: {e}")
+    return None, errors
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
 def liger_problem() -> str | None:
     """Why liger's fused linear cross-entropy cannot run here, or None."""
     if not torch.cuda.is_available():
         return "--loss-impl liger needs CUDA (liger-kernel is Triton code); use --loss-impl chunked on CPU"
-    try:
-        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss  # noqa: F401
-    except Exception as e:  # ImportError, or liger's model patches failing against this transformers
-        return (f"--loss-impl liger: liger-kernel does not import here ({type(e).__name__}: {e}); "
-                "use --loss-impl chunked (same value, no Triton)")
+    fn, errors = _liger_loss_fn()
+    if fn is None:
+        return (f"--loss-impl liger: liger-kernel does not import here ({'; '.join(errors)}); use --loss-impl "
+                "chunked (same value, no Triton)")
     return None
 
 
@@ -162,11 +199,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def _liger_loss(lm_head, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
-
     from train.zero import gathered
 
+    fn, errors = _liger_loss_fn()
+    if fn is None:
+        raise RuntimeError("liger-kernel does not import: " + "; ".join(errors))
     # liger computes the input gradient inside its forward, so the (ZeRO-3 partitioned) weight is needed there
     # only; the base lm_head is frozen under LoRA (the trainer refuses liger with a trainable lm_head).
     with gathered([lm_head.weight]):
-        return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)(lm_head.weight, hidden, target)
+        return fn(lm_head.weight, hidden, target)
