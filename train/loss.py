@@ -12,7 +12,8 @@ Implementations (`--loss-impl`), all the same value as the model's own loss:
   [chunk, vocab] logits exist at once (what matters with packing or long answers). Not for a trainable lm_head
   under ZeRO-3 (`auto` then takes torch).
 - liger: liger-kernel's fused linear + cross-entropy (Triton, CUDA only; computes the input gradient in the
-  forward), where it is installed and imports against the installed transformers.
+  forward), where it is installed: its module API, or its ops-level function where liger's transformers
+  integration does not import against the installed transformers.
 `full_logits` is the reference path: the model's own loss over logits at every position.
 
 The frozen vision tower runs before the language model (train/vision.py): outside autograd, per chunk of

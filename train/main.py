@@ -6,9 +6,11 @@
     python -m train.main --shards SHARDS --output-dir RUN [...]          # one process
     (CPU: DS_ACCELERATOR=cpu; ranks talk over gloo)
 
-`Recipe.setup()` runs in an order that matters: validate -> plan every epoch (so a bad world size or tail
-fails before any weight loads) -> pre-flight the manifest -> load the model partitioned (ZeRO-3) ->
-verify the load -> LoRA/full -> DeepSpeed engine (optimizer, scheduler) -> resume state -> data loader.
+`Recipe.setup()` runs in an order that matters: validate -> GPU memory others hold, --mem-cap-gib -> plan
+every epoch (so a bad world size or tail fails before any weight loads) -> levers this device or family cannot
+run refused, Qwen3.5 kernels routed -> pre-flight the manifest -> "auto" decided by the memory planner
+(train/memplan.py) -> load the model (partitioned under ZeRO-3) -> verify the load -> checkpointing,
+LoRA/full -> DeepSpeed engine (optimizer, scheduler; ZeRO-3 sharding checked) -> resume state -> data loader.
 `train()` is the whole loop: per micro-batch data -> forward (train/loss.py) -> backward -> optimizer step,
 each inside `PhaseTracker.phase` (train/memory.py: the phase an error names, the fault hooks, the memory);
 per step the ledger line (train/ledger.py) and one log line. `steps_done` counts finished optimizer steps,
