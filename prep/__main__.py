@@ -25,15 +25,23 @@ def usage() -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(usage())
+def pick_verb(prog: str, verbs: dict, argv: list[str], usage_text: str) -> tuple[str, list[str]] | int:
+    """(verb, its arguments), or the exit code once help or an unknown verb has been answered.
+    Shared by `python -m prep` and the `video-ora` entry point, so both answer the same way."""
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage_text)
         return 0 if argv else 2
-    verb, rest = argv[0], argv[1:]
-    if verb not in VERBS:
-        print(f"python -m prep: unknown verb {verb!r}\n\n{usage()}", file=sys.stderr)
+    if argv[0] not in verbs:
+        print(f"{prog}: unknown verb {argv[0]!r}\n\n{usage_text}", file=sys.stderr)
         return 2
+    return argv[0], argv[1:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    picked = pick_verb("python -m prep", VERBS, sys.argv[1:] if argv is None else list(argv), usage())
+    if isinstance(picked, int):
+        return picked
+    verb, rest = picked
     name = VERBS[verb][0]
     try:
         module = importlib.import_module(name)

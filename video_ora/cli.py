@@ -43,14 +43,12 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        print(usage())
-        return 0 if argv else 2
-    verb, rest = argv[0], argv[1:]
-    if verb not in VERBS:
-        print(f"video-ora: unknown verb {verb!r}\n\n{usage()}", file=sys.stderr)
-        return 2
+    from prep.__main__ import pick_verb
+
+    picked = pick_verb("video-ora", VERBS, sys.argv[1:] if argv is None else list(argv), usage())
+    if isinstance(picked, int):
+        return picked
+    verb, rest = picked
     module = importlib.import_module(VERBS[verb][0])
     try:
         code = int(module.main(rest) or 0)
