@@ -15,11 +15,18 @@ import signal
 KILL_ENV = "VIDEO_ORA_KILL_AT"
 
 
-def maybe_kill(point: str, step: int, rank: int) -> None:
-    spec = os.environ.get(KILL_ENV)
+def armed(env: str, point: str, step: int, rank: int) -> str | None:
+    """The spec in `env` ("point:step[:rank]") when it names this point, step and rank, else None: the one
+    parser behind every training fault hook."""
+    spec = os.environ.get(env)
     if not spec:
-        return
+        return None
     parts = spec.split(":")
     if parts[0] != point or int(parts[1]) != step or (len(parts) > 2 and int(parts[2]) != rank):
-        return
-    os.kill(os.getpid(), signal.SIGKILL)
+        return None
+    return spec
+
+
+def maybe_kill(point: str, step: int, rank: int) -> None:
+    if armed(KILL_ENV, point, step, rank):
+        os.kill(os.getpid(), signal.SIGKILL)

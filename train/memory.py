@@ -14,13 +14,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import resource
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from train.faults import armed
 
 GIB = 2**30
 PHASES = ("load", "data", "first_forward", "forward", "backward", "optimizer_step", "save")
@@ -168,13 +169,9 @@ def all_ranks_memory(run_dir: Path) -> list[dict]:
 
 def maybe_fail(phase: str, step: int, rank: int) -> None:
     """Debug hook: VIDEO_ORA_FAIL_AT=phase:step[:rank] raises a simulated torch.OutOfMemoryError there."""
-    spec = os.environ.get(FAIL_ENV)
-    if not spec:
-        return
-    parts = spec.split(":")
-    if parts[0] != phase or int(parts[1]) != step or (len(parts) > 2 and int(parts[2]) != rank):
-        return
-    raise torch.OutOfMemoryError(f"simulated out of memory ({FAIL_ENV}={spec})")
+    spec = armed(FAIL_ENV, phase, step, rank)
+    if spec:
+        raise torch.OutOfMemoryError(f"simulated out of memory ({FAIL_ENV}={spec})")
 
 
 def gpu_memory_in_use(local_index: int | None = None) -> list[dict]:
