@@ -48,6 +48,9 @@ LEGS: dict[str, tuple[str, ...]] = {
               "--gradient-checkpointing", "all"),
     "zero2": ("--zero-stage", "2", "--gradient-checkpointing", "all"),
     "zero3": ("--zero-stage", "3", "--gradient-checkpointing", "all"),
+    # every parameter persistent: on one GPU nothing is gathered or released per module (the frozen base
+    # stays resident, which is what ZeRO-2 holds too); the per-module hooks still run
+    "zero3-resident": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--param-persistence-threshold", "1e12"),
     "zero3-big-buckets": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--reduce-bucket-size", "5e8",
                           "--prefetch-bucket-size", "5e8", "--param-persistence-threshold", "1e6"),
     "zero2-ckpt-none": ("--zero-stage", "2", "--gradient-checkpointing", "none"),
@@ -91,9 +94,9 @@ class Leg:
 def issue9_matrix() -> list[Leg]:
     """Every measurement issue 9 asks for, most important first (a time budget cuts from the end)."""
     vl4, vl8, q9, q4 = "qwen3_vl_4b", "qwen3_vl_8b", "qwen3_5_9b", "qwen3_5_4b"
-    legs = [Leg(config=c) for c in ("anchor", "auto", "plain", "zero2", "zero3")]
+    legs = [Leg(config=c) for c in ("anchor", "auto", "zero2", "zero3", "zero3-resident")]
     legs += [Leg(config="auto", frames=f, cap_gib=12) for f in (64, 128, 256)]
-    legs += [Leg(config="auto", frames=f) for f in (512, 1024)]
+    legs += [Leg(config="auto", frames=512), Leg(config="plain"), Leg(config="auto", frames=1024)]
     legs += [Leg(config="auto", size=vl8), Leg(config="auto", size=q9), Leg(config="linear-torch", size=q9)]
     legs += [Leg(config=c) for c in ("zero2-ckpt-none", "zero2-loss-torch", "zero2-vision-in-forward", "zero2-eager",
                                      "zero2-offload-act", "pack2", "zero2-nf4", "zero2-fa2", "zero2-liger",
@@ -384,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default=None, help=argparse.SUPPRESS)  # the older spelling of --legs
     ap.add_argument("--matrix", choices=("issue9",), default=None, help="a predefined list of legs (overrides "
                     "--legs/--size/--frames/--mem-cap)")
+    ap.add_argument("--select", default=None, help="with --matrix: a range of its legs, e.g. 0-9 or 10- (to split "
+                    "the matrix over several device calls)")
     ap.add_argument("--size", default="qwen3_vl_4b", help="a shape in train/configs")
     ap.add_argument("--frames", default="64", help="comma list, 32..1024")
     ap.add_argument("--tokens-per-frame", type=int, default=TOKENS_PER_GROUP)
@@ -411,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
         a.legs = ",".join((["anchor"] if a.anchor else []) + [m.replace("_", "-") for m in a.modes.split(",")])
     if a.matrix == "issue9":
         legs = issue9_matrix()
+        if a.select:
+            lo, _, hi = a.select.partition("-")
+            legs = legs[int(lo or 0): (int(hi) + 1 if hi else None)] if "-" in a.select else [legs[int(lo)]]
     else:
         legs = [Leg(config=c, size=a.size, frames=int(f), cap_gib=a.mem_cap) for f in a.frames.split(",")
                 for c in a.legs.split(",")]

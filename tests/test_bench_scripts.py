@@ -37,9 +37,9 @@ def test_issue9_matrix_covers_the_targets_and_legs_exist():
     assert len(set(names)) == len(names)
     assert all(leg.config == "anchor" or leg.config in LEGS for leg in legs)
     first = names[:5]
-    assert first == ["qwen3_vl_4b-64f-anchor", "qwen3_vl_4b-64f-auto", "qwen3_vl_4b-64f-plain",
-                     "qwen3_vl_4b-64f-zero2", "qwen3_vl_4b-64f-zero3"]
-    for wanted in ("qwen3_vl_4b-128f-auto-cap12", "qwen3_vl_4b-256f-auto-cap12", "qwen3_vl_4b-1024f-auto",
+    assert first == ["qwen3_vl_4b-64f-anchor", "qwen3_vl_4b-64f-auto", "qwen3_vl_4b-64f-zero2",
+                     "qwen3_vl_4b-64f-zero3", "qwen3_vl_4b-64f-zero3-resident"]
+    for wanted in ("qwen3_vl_4b-64f-plain", "qwen3_vl_4b-128f-auto-cap12", "qwen3_vl_4b-256f-auto-cap12", "qwen3_vl_4b-1024f-auto",
                    "qwen3_vl_8b-64f-auto", "qwen3_5_9b-64f-auto", "qwen3_5_9b-64f-linear-torch"):
         assert wanted in names
     rows = [{"leg": "x-64f-anchor", "config": "anchor", "size": "x", "frames": 64, "cap_gib": None, "step_s": 3.0},
