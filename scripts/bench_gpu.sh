@@ -38,6 +38,7 @@ python -m scripts.bench_train --matrix issue9 ${SELECT:+--select "$SELECT"} --np
   --budget-s "$BUDGET_S" --workers 16 --out "$WORK/bench" --work "$WORK" 2>&1 | tee "$OUT/bench.log"
 cp "$WORK/bench/results.md" "$WORK/bench/results.json" "$OUT/" 2>/dev/null
 # the per-leg records that matter (step logs, run.json, memory plans, OOM reports) in one archive
+mkdir -p "$WORK/legs"
 for run in "$WORK"/runs/*/; do
   [ -d "$run" ] || continue
   name=$(basename "$run"); mkdir -p "$WORK/legs/$name"

@@ -137,7 +137,7 @@ def make_model(out: Path, size: str) -> Path:
                 "create_random_model(sys.argv[1], sys.argv[2], dtype=torch.bfloat16, "
                 "device='cuda' if torch.cuda.is_available() else 'cpu')")
         subprocess.run([sys.executable, "-c", code, size, str(model)], check=True, cwd=REPO, timeout=1200,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
+                       env=child_env())
     return model
 
 
@@ -173,6 +173,12 @@ def environment() -> dict:
 
 
 # ------------------------------------------------------------------------------------------------- running
+def child_env() -> dict:
+    """This environment with the checkout first on PYTHONPATH (kept: carried packages live there too)."""
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": str(REPO) + (os.pathsep + path if path else "")}
+
+
 def launcher(nproc: int) -> list[str]:
     if nproc <= 0:  # one plain process (CPU tests)
         return [sys.executable]
@@ -203,7 +209,7 @@ def run_logged(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
     t0 = time.time()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-                                env={**os.environ, "PYTHONPATH": str(REPO)})
+                                env=child_env())
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
