@@ -34,6 +34,11 @@ from prep.budget import PATCH_SIZE, FramePlan, VideoBudget, group_times, plan_fr
 from prep.decode import RESIZE, DecodeError, decode_windows, encode_windows
 from prep.decoders import BACKENDS, DEFAULT_BACKEND
 from prep.decoders import available as decoder_available
+from prep.gpu import BACKEND as GPU_BACKEND
+from prep.gpu import GPU_WORKERS
+from prep.gpu import JPEG as GPU_JPEG
+from prep.gpu import RESIZE as GPU_RESIZE
+from prep.gpu import available as gpu_available
 from prep.outdir import (PLAN_FILE, BuildIOError, BuildLock, BuildLocked, io_stage, our_files, part_lock_name, sweep_temps,
                          tmp_name)
 from prep.probe import ProbeFailure, ProbeResult, probe_video
@@ -76,6 +81,7 @@ QVH_QUERY_TEMPLATE = (
     "in seconds from the start of the clip, or [] if there is none."
 )
 DECODE_TIMEOUT_S = 300.0  # a window of a long 4K video decodes in seconds; minutes without one is a hang
+DEVICES = ("cpu", "cuda")  # --device: where frames are decoded, resized and JPEG-encoded
 SPECIAL_TOKENS = ("<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_start|>", "<|im_end|>")
 
 
@@ -116,6 +122,7 @@ class BuildConfig:
     query_template: str | None = None  # None: "{query}" (qvhighlights: QVH_QUERY_TEMPLATE)
     jpeg_quality: int = 95
     decoder: str = DEFAULT_BACKEND  # prep/decoders.py: decord | torchcodec | pyav
+    device: str = "cpu"  # cpu | cuda: NVDEC decode + GPU resize + nvjpeg (prep/gpu.py)
     samples_per_shard: int = 256
     shard_size_mb: float | None = 1024.0
     workers: int | None = None  # None: all cores available to this process (--ray: shard tasks in flight, None: no cap)
@@ -135,7 +142,7 @@ class BuildConfig:
         if self.query_template is None:
             self.query_template = QVH_QUERY_TEMPLATE if self.format == "qvhighlights" else "{query}"
         if self.workers is None and self.ray is None:
-            self.workers = _cores()
+            self.workers = _cores() if self.device != "cuda" else min(_cores(), GPU_WORKERS)
 
     def problems(self) -> list[str]:
         """Everything wrong with this config at once (empty when valid)."""
@@ -166,6 +173,17 @@ class BuildConfig:
             p.append(f"--decoder must be one of {BACKENDS}, got {self.decoder!r}")
         elif why := decoder_available(self.decoder):
             p.append(why)
+        if self.device not in DEVICES:
+            p.append(f"--device must be one of {DEVICES}, got {self.device!r}")
+        elif self.device == "cuda":
+            if self.decoder != DEFAULT_BACKEND:
+                p.append(f"--device cuda decodes with NVDEC (PyNvVideoCodec); --decoder picks a CPU decoder: leave it "
+                         f"at {DEFAULT_BACKEND} (the probe's decoder)")
+            if self.ray is not None:
+                p.append("--device cuda runs local worker processes sharing this machine's GPU; it does not combine "
+                         "with --ray")
+            if why := gpu_available():  # a child process checks: CUDA must stay uninitialized before the fork
+                p.append(why)
         if self.samples_per_shard < 1:
             p.append("--samples-per-shard must be >= 1")
         if self.workers is not None and self.workers < 1:
@@ -219,6 +237,8 @@ class BuildConfig:
         keep = {k: v for k, v in self.to_json().items()
                 if k not in ("out", "workers", "decode_timeout", "overwrite", "progress", "ray", "part", "assemble")}
         keep["budget"] = dataclasses.asdict(self.budget())
+        if keep["device"] == "cpu":
+            del keep["device"]  # a CPU build keeps the fingerprint it had before --device existed
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
 
 
@@ -285,6 +305,7 @@ class WorkerSettings:
     prompt_layout: str
     jpeg_quality: int
     decoder: str  # prep/decoders.py backend
+    device: str  # cpu | cuda (prep/gpu.py: NVDEC + GPU resize + nvjpeg; `decoder` then only probed)
     decode_timeout: float  # --decode-timeout, for the reject detail (the parent's watchdog enforces it)
     decode_threads: int  # decord threads per worker process
     encode_threads: int  # resize + JPEG threads per worker process, running while the decoder works
@@ -511,13 +532,20 @@ def _process_file(jobs: list[VideoJob], s: WorkerSettings, tokenizer, pool: Exec
     done = 0
     probe = jobs[0].probe
     if planned:
-        decoded = _timed(decode_windows(probe.path, [p[2].frame_indices for p in planned], backend=s.decoder,
-                                        num_threads=s.decode_threads, rotation=probe.rotation),
-                         t, "decode_s", beat=probe.path)
+        indices = [p[2].frame_indices for p in planned]
         sizes = [(p[2].height, p[2].width) for p in planned]
+        if s.device == "cuda":  # decode, resize and JPEG on the GPU, one window at a time
+            from prep import gpu
+
+            decoded = gpu.decode_windows(probe.path, indices, rotation=probe.rotation, size=(probe.height, probe.width))
+            windows = _timed(gpu.encode_windows(decoded, sizes, s.jpeg_quality), t, "gpu_s", beat=probe.path)
+        else:
+            decoded = _timed(decode_windows(probe.path, indices, backend=s.decoder, num_threads=s.decode_threads,
+                                            rotation=probe.rotation), t, "decode_s", beat=probe.path)
+            windows = encode_windows(decoded, sizes, s.jpeg_quality, pool)
         t0 = time.perf_counter()
         try:
-            for pos, jpegs, encode_s in encode_windows(decoded, sizes, s.jpeg_quality, pool):
+            for pos, jpegs, encode_s in windows:
                 t["encode_s"] += encode_s
                 video, job, plan, times, tok = planned[pos]
                 key = sample_key(video.video_id, job.window.index)
@@ -747,7 +775,7 @@ def _build_locked(config: BuildConfig) -> dict:
     decode_threads, encode_threads = worker_threads(config.workers) if config.ray is None else (1, 1)
     settings = WorkerSettings(budget=budget, tokenizer=str(config.tokenizer) if config.tokenizer else None,
                               bound=bound, prompt_layout=config.prompt_layout, jpeg_quality=config.jpeg_quality,
-                              decoder=config.decoder, decode_timeout=config.decode_timeout,
+                              decoder=config.decoder, device=config.device, decode_timeout=config.decode_timeout,
                               decode_threads=decode_threads, encode_threads=encode_threads)
     tasks = [ShardTask(index=i, out=out.absolute(), videos=[j for key in g for j in units[key]], settings=settings)
              for i, g in enumerate(unit_groups)]
@@ -815,7 +843,7 @@ def _build_locked(config: BuildConfig) -> dict:
         model_family=config.model_family,
         prompt=PromptInfo(layout=config.prompt_layout, transformers=versions.get("transformers")),
         tokenizer=tok_info,
-        decode=DecodeInfo(backend=config.decoder, resize=RESIZE, jpeg_quality=config.jpeg_quality),
+        decode=_decode_info(config),
         answer_format=ANSWER_FORMAT,
         versions=versions,
         shard_files=[ShardFile(name=s["shard"], sha256=s["sha256"], bytes=s["bytes"], samples=s["samples"],
@@ -827,6 +855,13 @@ def _build_locked(config: BuildConfig) -> dict:
     with io_stage("build.json", out / BUILD_JSON):
         record.write(out, tmp=tmp_name(out / BUILD_JSON))
     return dataclasses.asdict(summary)
+
+
+def _decode_info(config: BuildConfig) -> DecodeInfo:
+    if config.device == "cuda":
+        return DecodeInfo(backend=GPU_BACKEND, resize=GPU_RESIZE, jpeg_quality=config.jpeg_quality, device="cuda",
+                          jpeg_encoder=GPU_JPEG)
+    return DecodeInfo(backend=config.decoder, resize=RESIZE, jpeg_quality=config.jpeg_quality, device="cpu")
 
 
 def _part_summary(config: BuildConfig, tasks: list[ShardTask], mine: list[ShardTask], pending: list[ShardTask],
@@ -998,6 +1033,10 @@ def parser() -> argparse.ArgumentParser:
     a("--decoder", choices=BACKENDS, default=DEFAULT_BACKEND,
       help="video decoder (prep/decoders.py): decord, torchcodec (needs the system FFmpeg libraries) or pyav "
            "(fallback); same frame indices and timestamps, pixels within 1 level (README); the probe uses decord")
+    a("--device", choices=DEVICES, default="cpu",
+      help="cpu: --decoder + torch resize + PIL JPEG in --workers processes; cuda: NVDEC decode (pip install "
+           "pynvvideocodec), GPU resize and nvjpeg (torchvision) in a few processes sharing the GPU (--workers, "
+           f"default min(cores, {GPU_WORKERS})); pixels within mean 1 / max 8 levels of the CPU build, other JPEG bytes")
     a("--samples-per-shard", type=int, default=256, help="target samples per shard (whole videos; a shard may hold fewer)")
     a("--shard-size-mb", type=float, default=1024.0, help="soft cap on estimated shard size in MiB (0: none)")
     a("--workers", type=int, default=None, help="processes for probing and shards (default: all cores)")

@@ -56,9 +56,11 @@ class InputBound:
 class DecodeInfo:
     """How frames went from the source to the stored JPEGs."""
 
-    backend: str  # decoder, e.g. decord
+    backend: str  # decoder, e.g. decord, or pynvvideocodec (NVDEC) under --device cuda
     resize: str  # resize rule, in words
     jpeg_quality: int  # JPEG quality of the stored frames
+    device: str = "cpu"  # where decode, resize and JPEG ran: cpu | cuda (prep/gpu.py); older files: cpu
+    jpeg_encoder: str = "PIL (libjpeg-turbo)"  # what wrote the JPEG bytes (nvjpeg under --device cuda)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -165,10 +167,12 @@ class BuildRecord:
 
 
 def _from_json(cls: type, data: Any) -> Any:
-    """A dataclass (nested dataclasses and lists of them included) from its JSON; unknown keys are errors."""
+    """A dataclass (nested dataclasses and lists of them included) from its JSON; unknown keys are errors, and
+    so are missing ones, except fields added later with a default (a file written before them gets it)."""
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    extra = set(data) - set(names)
+    fields = dataclasses.fields(cls)
+    names = [f.name for f in fields if f.name in data or f.default is dataclasses.MISSING]
+    extra = set(data) - {f.name for f in fields}
     if extra:
         raise ValueError(f"{cls.__name__} has no fields {sorted(extra)}")
     values = {}
