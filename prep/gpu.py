@@ -30,10 +30,12 @@ availability check runs in a child process).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import subprocess
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -47,6 +49,8 @@ RESIZE = ("torch uint8 bicubic, antialias=True, to the planned size: the CPU ker
           "matrix products on CUDA (the same pixels as the CPU path)")
 JPEG = "torchvision.io.encode_jpeg on CUDA (nvjpeg)"
 _CHECK_TIMEOUT_S = 120.0
+_CHUNK_VALUES = 1 << 26  # float64 values resized at once (512 MiB)
+_ROOT = str(Path(__file__).resolve().parents[1])  # where `prep` imports from, for the check's child process
 
 # swscale's BT.601 limited-range table (ff_yuv2rgb_coeffs, 1/65536) as its x86 SIMD path holds it: x / 8, rounded
 _CY, _CRV, _CBU, _CGU, _CGV = 9539, 13075, 16525, 3209, 6660
@@ -61,16 +65,17 @@ if not torch.cuda.is_available():
     sys.exit("torch " + torch.__version__ + " sees no CUDA device (torch.cuda.is_available() is False; CUDA build: "
              + str(torch.version.cuda) + ")")
 try:
-    import PyNvVideoCodec
+    from prep.gpu import nvc
+    nvc()
 except Exception as e:
     lines = [l for l in str(e).strip().splitlines() if l.strip()] or [type(e).__name__]
     sys.exit("PyNvVideoCodec cannot load (pip install %s; it needs libnvcuvid from the NVIDIA driver): %s"
              % (sys.argv[1], lines[0][:300]))
 try:
-    import torchvision.io
-    torchvision.io.encode_jpeg
-except (ImportError, AttributeError) as e:
-    sys.exit("torchvision.io.encode_jpeg is missing: " + str(e))
+    from torchvision.io import encode_jpeg
+    encode_jpeg([torch.zeros(3, 16, 16, dtype=torch.uint8, device="cuda")], quality=95)
+except Exception as e:
+    sys.exit("torchvision cannot encode JPEG on CUDA (nvjpeg): %s: %s" % (type(e).__name__, str(e)[:300]))
 """
 
 
@@ -81,13 +86,41 @@ def available() -> str | None:
     process (the answer does not change while it runs)."""
     try:
         run = subprocess.run([sys.executable, "-c", _CHECK, PACKAGE], capture_output=True, text=True,
-                             timeout=_CHECK_TIMEOUT_S)
+                             timeout=_CHECK_TIMEOUT_S, cwd=_ROOT)
     except subprocess.TimeoutExpired:
         return f"--device cuda: checking CUDA and PyNvVideoCodec took over {_CHECK_TIMEOUT_S:g} s"
     if run.returncode == 0:
         return None
     why = (run.stderr.strip().splitlines() or [f"exit code {run.returncode}"])[-1]
     return f"--device cuda cannot run here: {why}"
+
+
+@functools.lru_cache(maxsize=1)
+def nvc():
+    """The PyNvVideoCodec module. Its package __init__ first asks the driver for the NVENC (encoder) version,
+    which fails where the driver's libnvidia-encode is not mounted although NVDEC (libnvcuvid) is; decoding
+    needs no encoder, so then its compiled module for this Python is loaded directly (newest API first)."""
+    try:
+        import PyNvVideoCodec
+
+        return PyNvVideoCodec
+    except ImportError:
+        raise
+    except Exception as first:  # RuntimeError from its driver check
+        spec = importlib.util.find_spec("PyNvVideoCodec")
+        where = list(spec.submodule_search_locations or []) if spec else []
+        tag = f"cpython-{sys.version_info.major}{sys.version_info.minor}"
+        for suffix in ("_130", "_121"):
+            for folder in where:
+                for path in sorted(Path(folder).glob(f"PyNvVideoCodec{suffix}.{tag}*.so")):
+                    try:
+                        mod_spec = importlib.util.spec_from_file_location("_PyNvVideoCodec", path)
+                        module = importlib.util.module_from_spec(mod_spec)
+                        mod_spec.loader.exec_module(module)
+                        return module
+                    except Exception:  # the next candidate; the package's own error is raised below
+                        continue
+        raise first
 
 
 # ----------------------------------------------------------------------------------------------- pixels
@@ -161,17 +194,24 @@ def _resample(x, out_size: int, dim: int):
 def resize_frames(frames, height: int, width: int):
     """(n, H, W, 3) uint8 -> (n, 3, height, width) uint8 by the CPU path's resize: torch's uint8 bicubic
     antialias kernel (width pass, uint8, height pass), computed as float64 matrix products (CUDA has no uint8
-    kernel for it) with the kernel's own fixed-point weights: the same pixels (tests/test_gpu.py)."""
+    kernel for it) with the kernel's own fixed-point weights: the same pixels (tests/test_gpu.py). In chunks of
+    frames, so a window of 4K frames needs at most ~_CHUNK_VALUES x 8 bytes of float64 at a time."""
+    import torch
+
     x = frames.permute(0, 3, 1, 2)
-    h, w = x.shape[2:]
+    n, _, h, w = x.shape
     if (h, w) == (height, width):
         return x.contiguous()
-    x = x.double()
-    if w != width:
-        x = _resample(x, width, -1)
-    if h != height:
-        x = _resample(x, height, -2)
-    return x.to(frames.dtype)
+    step = max(1, _CHUNK_VALUES // (3 * h * max(w, width)))
+    out = []
+    for i in range(0, n, step):
+        y = x[i:i + step].double()
+        if w != width:
+            y = _resample(y, width, -1)
+        if h != height:
+            y = _resample(y, height, -2)
+        out.append(y.to(frames.dtype))
+    return torch.cat(out) if len(out) > 1 else out[0]
 
 
 def encode_jpegs(frames, quality: int) -> list[bytes]:
@@ -217,12 +257,11 @@ class NvdecReader:
         self._open()
 
     def _open(self) -> None:
-        import PyNvVideoCodec as nvc
-
         try:
-            self._demuxer = nvc.CreateDemuxer(filename=self.path)
-            self._decoder = nvc.CreateDecoder(gpuid=self.gpu_id, codec=self._demuxer.GetNvCodecId(),
-                                              usedevicememory=True)
+            codec = nvc()
+            self._demuxer = codec.CreateDemuxer(filename=self.path)
+            self._decoder = codec.CreateDecoder(gpuid=self.gpu_id, codec=self._demuxer.GetNvCodecId(),
+                                                usedevicememory=True)
         except Exception as e:  # PyNvVideoCodec raises its own types (PyNvVCException...) and RuntimeError
             raise DecodeError(f"NVDEC cannot open {self.path}: {_short(e)} (decode it with --device cpu)") from e
         self._frames = self._decoded()

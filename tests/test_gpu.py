@@ -155,3 +155,16 @@ def test_nvdec_gives_decords_frames(bikes):
         for a, b in zip(ref[pos], frames.cpu().numpy()):
             mean, peak = _diff(a, b)
             assert mean <= MEAN_TOL and peak <= MAX_TOL, (pos, mean, peak)
+
+
+def test_the_device_probe_reports_failed_stages_instead_of_dying(tmp_path, monkeypatch):
+    """scripts/gpu_decode_probe.py runs once on the device: a stage that raises is recorded, the rest still run."""
+    from scripts import gpu_decode_probe as probe
+
+    res: dict = {}
+    assert probe._stage(res, "parity", lambda: 1 / 0) is None
+    assert res["parity"]["error"].startswith("ZeroDivisionError") and "stage_s" in res
+    res["parity"] = {"bikes.mp4": {"error": "NVDEC cannot open"}}
+    res["builds"] = {"error": "boom", "runs": []}
+    text = probe.table(res)
+    assert "NVDEC cannot open" in text and "boom" in text
