@@ -915,8 +915,10 @@ def _probe_all(paths: list[str], config: BuildConfig) -> list[ProbeResult | Prob
                                    f"{config.decode_timeout:g} s (its worker was killed and replaced)")
 
     out: list = [None] * len(paths)
-    # probes run here, also under --ray (where --workers may be unset: all of this machine's cores)
-    with closing(distribute(probe_one, paths, processes=config.workers or _cores(), stall_s=_stall_s(config),
+    # probes run here, also under --ray (where --workers may be unset: all of this machine's cores); under
+    # --device cuda --workers counts GPU processes, and the probe (decord, CPU) takes every core
+    processes = _cores() if config.device == "cuda" else config.workers or _cores()
+    with closing(distribute(probe_one, paths, processes=processes, stall_s=_stall_s(config),
                             on_stall=on_stall)) as results:
         for i, result in results:
             out[i] = result
@@ -1036,7 +1038,8 @@ def parser() -> argparse.ArgumentParser:
     a("--device", choices=DEVICES, default="cpu",
       help="cpu: --decoder + torch resize + PIL JPEG in --workers processes; cuda: NVDEC decode (pip install "
            "pynvvideocodec), GPU resize and nvjpeg (torchvision) in a few processes sharing the GPU (--workers, "
-           f"default min(cores, {GPU_WORKERS})); pixels within mean 1 / max 8 levels of the CPU build, other JPEG bytes")
+           f"default min(cores, {GPU_WORKERS})); the CPU path's frame indices, colour conversion and resize, nvjpeg's "
+           "own JPEG bytes (prep/gpu.py)")
     a("--samples-per-shard", type=int, default=256, help="target samples per shard (whole videos; a shard may hold fewer)")
     a("--shard-size-mb", type=float, default=1024.0, help="soft cap on estimated shard size in MiB (0: none)")
     a("--workers", type=int, default=None, help="processes for probing and shards (default: all cores)")

