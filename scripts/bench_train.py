@@ -51,6 +51,8 @@ LEGS: dict[str, tuple[str, ...]] = {
     # every parameter persistent: on one GPU nothing is gathered or released per module (the frozen base
     # stays resident, which is what ZeRO-2 holds too); the per-module hooks still run
     "zero3-resident": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--param-persistence-threshold", "1e12"),
+    # DeepSpeed's per-submodule hooks (what ZeRO-3 did before leaf layers; the original run's behaviour)
+    "zero3-hooks": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--no-zero3-leaf-layers"),
     "zero3-big-buckets": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--reduce-bucket-size", "5e8",
                           "--prefetch-bucket-size", "5e8", "--param-persistence-threshold", "1e6"),
     "zero2-ckpt-none": ("--zero-stage", "2", "--gradient-checkpointing", "none"),
@@ -84,6 +86,7 @@ class Leg:
     size: str = "qwen3_vl_4b"
     frames: int = 64
     cap_gib: float | None = None
+    steps: int | None = None  # None: the bench's --steps (a long leg runs fewer)
 
     @property
     def name(self) -> str:
@@ -94,15 +97,31 @@ class Leg:
 def issue9_matrix() -> list[Leg]:
     """Every measurement issue 9 asks for, most important first (a time budget cuts from the end)."""
     vl4, vl8, q9, q4 = "qwen3_vl_4b", "qwen3_vl_8b", "qwen3_5_9b", "qwen3_5_4b"
-    legs = [Leg(config=c) for c in ("anchor", "auto", "zero2", "zero3", "zero3-resident")]
+    legs = [Leg(config=c) for c in ("anchor", "auto", "zero2", "zero3", "zero3-resident", "zero3-hooks")]
     legs += [Leg(config="auto", frames=f, cap_gib=12) for f in (64, 128, 256)]
-    legs += [Leg(config="auto", frames=512), Leg(config="plain"), Leg(config="auto", frames=1024)]
+    legs += [Leg(config="auto", frames=512), Leg(config="plain"), Leg(config="auto", frames=1024, steps=3)]
     legs += [Leg(config="auto", size=vl8), Leg(config="auto", size=q9), Leg(config="linear-torch", size=q9)]
     legs += [Leg(config=c) for c in ("zero2-ckpt-none", "zero2-loss-torch", "zero2-vision-in-forward", "zero2-eager",
                                      "zero2-offload-act", "pack2", "zero2-nf4", "zero2-fa2", "zero2-liger",
                                      "zero3-big-buckets", "zero3-offload-opt")]
-    legs += [Leg(config="auto", size=q4), Leg(config="anchor", cap_gib=12), Leg(config="zero2-nf4", cap_gib=12)]
+    legs += [Leg(config="auto", size=q4), Leg(config="anchor", cap_gib=12), Leg(config="zero2-nf4", cap_gib=12),
+             Leg(config="linear-torch", size=q4)]
     return legs
+
+
+def select(spec: str, n: int) -> list[int]:
+    """Indices named by "0-4,7,10-" (ranges inclusive, an open end runs to the last of n), in that order."""
+    out: list[int] = []
+    for part in spec.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not dash:
+            out.append(int(lo))
+        else:
+            out += range(int(lo or 0), int(hi) + 1 if hi else n)
+    bad = [i for i in out if not 0 <= i < n]
+    if bad:
+        raise SystemExit(f"--select {spec!r}: no legs {bad} (the matrix has 0..{n - 1})")
+    return out
 
 
 # ------------------------------------------------------------------------------------------------- inputs
@@ -349,7 +368,10 @@ def run_leg(leg: Leg, *, out: Path, nproc: int, steps: int, timeout: float, peak
     work = work or out
     if leg.config == "anchor":
         return run_anchor(leg, out=out, nproc=nproc, steps=steps, timeout=timeout, anchor=anchor)
-    samples = samples or max(nproc, 1) * (2 if leg.config == "pack2" else 1)
+    steps = leg.steps or steps
+    # one fresh window per rank and step: with one window per epoch the loader restarts every step and its
+    # first load is on the critical path (measured: 33% data wait at 512 frames), which no real run sees
+    samples = samples or max(nproc, 1) * steps * (2 if leg.config == "pack2" else 1)
     shards = make_shards(work, leg.frames, tokens_per_frame, samples, workers=workers)
     model = make_model(work, leg.size)
     flags = [f.replace("{nproc}", str(max(nproc, 1))) for f in LEGS[leg.config]]
@@ -423,8 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.matrix == "issue9":
         legs = issue9_matrix()
         if a.select:
-            lo, _, hi = a.select.partition("-")
-            legs = legs[int(lo or 0): (int(hi) + 1 if hi else None)] if "-" in a.select else [legs[int(lo)]]
+            legs = [legs[i] for i in select(a.select, len(legs))]
     else:
         legs = [Leg(config=c, size=a.size, frames=int(f), cap_gib=a.mem_cap) for f in a.frames.split(",")
                 for c in a.legs.split(",")]

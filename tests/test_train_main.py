@@ -52,6 +52,26 @@ def drop_run(five, cache, tmp_path_factory):
     return proc, run
 
 
+def test_zero3_leaf_layers_give_the_per_submodule_hooks_numbers(drop_run, five, cache, tmp_path):
+    """Leaf layers (the ZeRO-3 default) change only the hook granularity: the first step's loss and gradient
+    norm equal those of DeepSpeed's per-submodule hooks, on 2 ranks, and the second step runs."""
+    proc, run = drop_run
+    assert proc.returncode == 0, explain(proc)
+    for r in (0, 1):
+        (leaf,) = events(run, r, "zero3_leaf_layers")
+        assert leaf["classes"] == ["Qwen3VLTextDecoderLayer", "Qwen3VLVisionBlock"]
+    hooks = tmp_path / "per_submodule"
+    one_epoch = [("1" if a == "3" else a) for a in DROP_ARGS]  # --epochs 1: the same first steps, then stop
+    ref = launch(_args(five, hooks, cache, *one_epoch, "--no-zero3-leaf-layers"))
+    assert ref.returncode == 0, explain(ref)
+    assert not events(hooks, 0, "zero3_leaf_layers")
+    for r in (0, 1):
+        got, want = steps(run, r)[0], steps(hooks, r)[0]
+        assert got["sample_ids"] == want["sample_ids"]
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-2) and got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-2)
+        assert sorted(steps(hooks, r)) == [0, 1]
+
+
 @pytest.fixture(scope="module")
 def resumed_run(five, cache, tmp_path_factory):
     """The same run killed by a (simulated) OOM on rank 1 at step 4, its newest checkpoint (step 4) then damaged

@@ -82,7 +82,7 @@ from train.sequence_parallel import rank_layout as sp_layout
 from train.quantize import from_pretrained_kwargs, quantize_problem
 from train.plan import PlanConfig, PlanError, global_steps, plan_run, total_steps
 from train.run_record import build_run_record, update_run_record, write_json
-from train.zero import sharding_report
+from train.zero import mark_leaf_layers, sharding_report
 
 EXIT_USAGE = 2
 EXIT_OOM = 3
@@ -436,6 +436,9 @@ class Recipe:
         optimizer = None
         if "optimizer" not in self.ds_config:
             optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        if self.zero_stage == 3 and cfg.zero3_leaf:
+            leaves = mark_leaf_layers(self.model)
+            self.log.event("zero3_leaf_layers", classes=leaves)
         engine, _, _, _ = deepspeed.initialize(model=self.model, model_parameters=params, optimizer=optimizer,
                                                lr_scheduler=scheduler, config=self.ds_config)
         if engine.zero_optimization_stage() != self.zero_stage:
@@ -711,8 +714,16 @@ def die_with_launcher() -> None:
         os._exit(EXIT_USAGE)
 
 
+# Fragmentation, not size, is what first fails under a small card's cap (measured on one H200, 12 GiB cap,
+# 128 frames: 8.35 GiB allocated + 2.99 GiB reserved-but-unallocated when a 0.74 GiB block was refused).
+# Expandable segments let the caching allocator grow blocks in place. Set before CUDA initializes; a value
+# the user set is kept (run.json records the variable either way).
+ALLOC_CONF = "expandable_segments:True"
+
+
 def main(argv: list[str] | None = None) -> int:
     die_with_launcher()
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)
     try:
         cfg = parse_config(argv)
     except ConfigError as e:

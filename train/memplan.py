@@ -16,7 +16,7 @@ micro-batch (tokens, supervised positions, vision patches), in bytes:
   --offload-activations; kept: every activation a non-checkpointed layer saves for backward.
 - layer activations (what one decoder layer saves for backward, per token) are enumerated tensor by tensor
   in `layer_bytes_per_token`: norms in fp32, the projections' shared input, one dropout output + mask per
-  LoRA-targeted projection (lora_dropout > 0), q/k norms in fp32, rotary outputs, sdpa's q, k, v and
+  LoRA-targeted projection (lora_dropout > 0), q/k norms in fp32 (rotary keeps only cos/sin), sdpa's q, k, v and
   output, the output gate (Qwen3.5), the MLP's gate/up/act/product and the linear-attention layers' conv
   and recurrent-state tensors. Backward recomputes one checkpointed layer at a time: its activations plus
   one [tokens, intermediate] gradient are the working set.
@@ -144,7 +144,8 @@ def layer_bytes_per_token(layer: LayerShape, shape: ModelShape, *, lora_dropout:
         q, kv = layer.q, layer.kv
         mixer = (f32 * H + act * H  # input norm (fp32) and the q/k/v projections' shared input
                  + f32 * (q + kv)  # q_norm / k_norm in fp32
-                 + 2 * act * (q + kv)  # rotary: q, k and their rotated halves
+                 # rotary saves nothing per token: q*cos + rotate_half(q)*sin keeps only cos/sin for backward
+                 # (counting q, k and their halves here over-predicted the 4B ckpt-none peak by 17%, H200)
                  + act * (q + 2 * kv) + act * q  # sdpa: q, k, v and its output (the o_proj input)
                  + 2 * act * layer.gate)  # Qwen3.5 output gate and its sigmoid
     else:
@@ -175,7 +176,9 @@ def predict(shape: ModelShape, work: Workload, setup: Setup, *, world: int = 1, 
         quantized = shape.linear_params if setup.finetune == "lora" else 0
         weights -= quantized * (act - QUANT_BYTES[setup.quantize_base])
     stage = setup.zero_stage
-    window = act * (shape.largest_param + min(2 * setup.prefetch_bucket, MAX_LIVE)) if stage == 3 else 0
+    # ZeRO-3 gathers one unit whole (the embedding, or a leaf decoder layer: train/zero.py) plus the prefetch
+    gathered = max(shape.largest_param, max(layer.params for layer in shape.layers))
+    window = act * (gathered + min(2 * setup.prefetch_bucket, MAX_LIVE)) if stage == 3 else 0
     if stage == 3:
         weights = (0 if setup.offload_params else weights / world) + window
     # trainable: bf16 param + bf16 grad buffer, fp32 grad partition, fp32 master + Adam m, v

@@ -1,5 +1,12 @@
 """ZeRO-3 partitioned parameters: gathered (the one helper checkpoint saving, load verification and the
-chunked loss share), and the check that partitioning really happened (ShardingReport)."""
+chunked loss share), the check that partitioning really happened (ShardingReport), and leaf layers.
+
+Why leaf layers: DeepSpeed's ZeRO-3 hooks every submodule (fetch before its forward, release after, the
+same in backward and again in each recompute). A LoRA-wrapped Qwen3-VL-4B has ~60 submodules per decoder
+layer, so one GPU spends most of a 64-frame step in that bookkeeping (measured on one H200: 3.60 s ZeRO-3 vs
+0.90 s ZeRO-2, 3.09 s with every parameter persistent, so it is the hooks, not the gathers). Marked as
+DeepSpeed leaf modules, each decoder layer and vision block is gathered and released as one unit: the same
+parameters and numbers, one hook where there were ~60, and at most one layer gathered beyond the prefetch."""
 from __future__ import annotations
 
 import contextlib
@@ -16,6 +23,21 @@ def gathered(params):
     import deepspeed
 
     return deepspeed.zero.GatheredParameters(zero, modifier_rank=None)
+
+
+def mark_leaf_layers(model) -> list[str]:
+    """Flag every decoder layer and vision block of `model` (the classes its `_no_split_modules` names,
+    looked up through PEFT wrappers) as ZeRO-3 leaf modules; returns the class names flagged. Call before
+    deepspeed.initialize, which registers the hooks."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    present = sorted({type(m).__name__ for m in model.modules()} & names)
+    if present:
+        set_z3_leaf_modules(model, present)
+    return present
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
