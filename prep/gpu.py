@@ -275,10 +275,19 @@ class NvdecReader:
             raise DecodeError(f"NVDEC cannot open {self.path}: {_short(e)} (decode it with --device cpu)") from e
         self._frames = self._decoded()
         self._next = 0  # index of the frame self._frames yields next
+        self._flush_error = ""
 
     def _decoded(self) -> Iterator:
-        for packet in self._demuxer:  # its last packet is empty at the end of the file: the decoder flushes
+        for packet in self._demuxer:  # NVIDIA's samples rely on its last packet being empty: the decoder flushes
             yield from self._decoder.Decode(packet)
+        # reached only while a frame is still wanted: if the iteration ended without that empty packet, send one
+        # (frames the decoder still holds come out); if that is refused, the caller's "ends after" error says why
+        try:
+            frames = self._decoder.Decode(nvc().PacketData())
+        except Exception as e:
+            self._flush_error = f" (flushing the decoder failed: {_short(e)})"
+            return
+        yield from frames
 
     def get_batch(self, indices: Sequence[int]):
         """Frames at these sorted, unique indices as one (n, H, W, 3) uint8 CUDA tensor, displayed orientation."""
@@ -298,7 +307,8 @@ class NvdecReader:
                             torch.cuda.current_stream().synchronize()
                         break
         except StopIteration:
-            raise DecodeError(f"NVDEC: {self.path} ends after {self._next} frames, frame {want} was asked") from None
+            raise DecodeError(f"NVDEC: {self.path} ends after {self._next} frames, frame {want} was asked"
+                              f"{getattr(self, '_flush_error', '')}") from None
         except DecodeError:
             raise
         except Exception as e:

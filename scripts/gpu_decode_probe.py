@@ -13,7 +13,7 @@ Stages, each in its own try/except (a failure is recorded with its traceback and
            absolute difference (tolerance mean <= 1.0, max <= 8); and the CPU resize+JPEG vs the GPU one
   stages   frames/s of NVDEC decode (all frames, and the windows' frames as the build asks), GPU resize, nvjpeg,
            next to one CPU core's decord / resize / PIL JPEG on the same frames; on a 640x360 and a 1080p clip
-  builds   `python -m prep build` (subprocesses) on the set: --workers 16 on CPU vs --device cuda --workers 2/4/8,
+  builds   `python -m prep build` (subprocesses) on the set: --workers 16 on CPU vs --device cuda --workers 4/8/16,
            --repeats rounds, realtime factors (build.json, shards stage) and wall seconds, ratio GPU / CPU; then
            per-frame pixel differences between the CPU build's JPEGs and the best GPU build's; then, while the
            time budget lasts, the same CPU vs best-GPU comparison on --hd-videos 1920x1080 clips (where the CPU
@@ -493,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hd-videos", type=int, default=16, help="1920x1080 30 fps clips (0: none), where NVDEC may pay more")
     ap.add_argument("--hd-duration", type=float, default=20.0)
     ap.add_argument("--cpu-workers", type=int, default=16)
-    ap.add_argument("--gpu-workers", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--gpu-workers", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--budget-s", type=float, default=200.0, help="after this, repeats are skipped")
     args = ap.parse_args(argv)
