@@ -322,6 +322,23 @@ def test_quantized_base_config_plumbing_and_refusal_on_cpu():
         quantization_kwargs("fp8")
 
 
+def test_load_check_reads_a_4bit_packed_weight_and_its_quant_state_entries():
+    """bitsandbytes packs a 4-bit weight into [n/2, 1] storage and adds q_proj.weight.absmax-style state-dict
+    entries (measured on the H200: the load check raised on them before the first step)."""
+    from train.load_check import _persistent_buffer, logical_shape
+
+    class QuantState:
+        shape = torch.Size([8, 4])
+
+    packed = torch.nn.Parameter(torch.zeros(16, 1, dtype=torch.uint8), requires_grad=False)
+    packed.quant_state = QuantState()
+    assert logical_shape(packed) == (8, 4) and logical_shape(torch.zeros(3, 5)) == (3, 5)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8))
+    model.register_buffer("scale", torch.ones(1))
+    assert not _persistent_buffer(model, "0.weight.absmax")  # a tensor's attribute, not a module's buffer
+    assert _persistent_buffer(model, "scale")
+
+
 def test_trainer_refuses_levers_this_device_or_family_cannot_run(tmp_path, built_shards):
     """The trainer's own check (before any weight loads): Qwen3.5 packing, and the CUDA-only flags on CPU."""
     from train.config import ConfigError, parse_config

@@ -67,7 +67,11 @@ def checkpoint_entries(model_dir: str | Path) -> dict[str, CheckpointEntry]:
 
 
 def logical_shape(t: torch.Tensor) -> tuple[int, ...]:
-    """The full shape of a parameter, also when ZeRO-3 has partitioned it away (local shape [0])."""
+    """The full shape of a parameter, also when ZeRO-3 has partitioned it away (local shape [0]) or
+    bitsandbytes packed it into 4-bit storage (its quant_state keeps the original shape)."""
+    quant_state = getattr(t, "quant_state", None)
+    if quant_state is not None and getattr(quant_state, "shape", None) is not None:
+        return tuple(quant_state.shape)
     return tuple(getattr(t, "ds_shape", t.shape))
 
 
@@ -201,7 +205,10 @@ def check_load(model, model_dir: str | Path, loading_info: dict | None = None) -
 
 def _persistent_buffer(model, name: str) -> bool:
     module_name, _, buf = name.rpartition(".")
-    module = model.get_submodule(module_name) if module_name else model
+    try:
+        module = model.get_submodule(module_name) if module_name else model
+    except AttributeError:  # bitsandbytes' quantization state (q_proj.weight.absmax): no module's buffer
+        return False
     return buf in getattr(module, "_buffers", {}) and buf not in getattr(module, "_non_persistent_buffers_set", set())
 
 
