@@ -126,6 +126,11 @@ def test_attention_paths_and_checkpointing_levels_give_the_same_loss_and_gradien
         model = _lora(model_dir, checkpointing=False)
         chosen = apply_checkpointing(model.get_base_model(), Checkpointing.parse(level), offload=offload)
         assert chosen == {"none": [], "every-2": [0], "all-but-1": [0], "all": [0, 1]}[level]
+        if offload:  # every checkpointed layer runs through the host-copy checkpoint (its own code path)
+            from train.activations import checkpoint_from_host, decoder_layers
+
+            assert all(layer._gradient_checkpointing_func is checkpoint_from_host
+                       for layer in decoder_layers(model.get_base_model()))
         _assert_same(_loss_and_grads(model, batch, spec), ref)
     with pytest.raises(ValueError, match="every-K"):
         Checkpointing.parse("every-0")

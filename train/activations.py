@@ -8,14 +8,21 @@ planner pick the least checkpointing that fits: none, else all-but-N with the la
 (train/memplan.py; `all` where no GPU memory figure exists, e.g. on CPU).
 The vision blocks are never checkpointed: a frozen tower runs without autograd (train/vision.py).
 
-`--offload-activations`: the checkpointed layers' saved inputs go to pinned host memory in the forward and
-come back in the backward (torch.autograd.graph.save_on_cpu around each checkpointed call, transformers'
-`offload=True`); the recompute itself stays on the device. Costs two copies per layer on the compute stream.
+`--offload-activations`: each checkpointed layer's input (the one [tokens, hidden] tensor it keeps) is
+copied to host memory before the layer runs, and the checkpoint holds only that host copy; the layer (and
+its recompute in backward) gets a device copy made inside the checkpointed function, freed with the rest
+of its activations. Costs one device-to-host copy per layer in the forward and one host-to-device copy in
+the backward. Why not transformers' `offload=True` (torch.autograd.graph.save_on_cpu around the checkpoint):
+a non-reentrant checkpoint keeps its inputs by reference, not through saved-tensor hooks, so nothing moved
+(measured on one H200, 4B, 256 frames under a 12 GiB cap: forward peak 9.5 GiB against 2.0 predicted with
+the inputs on the host; the ~330 KB per token missing is the layer inputs staying on the device).
 """
 from __future__ import annotations
 
 import dataclasses
 import re
+
+import torch
 
 CHOICES = "auto|all|none|every-K|all-but-N"
 
@@ -79,11 +86,28 @@ def apply_checkpointing(model, spec: Checkpointing, *, offload: bool = False) ->
             raise ValueError("--offload-activations offloads the checkpointed layers' inputs: it needs "
                              "--gradient-checkpointing other than none")
         return []
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
-                                          offload=offload)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
     layers = decoder_layers(model)
     chosen = set(spec.layers(len(layers)))
     for i, layer in enumerate(layers):
         layer.gradient_checkpointing = i in chosen
+        if offload and i in chosen:
+            layer._gradient_checkpointing_func = checkpoint_from_host
     return sorted(chosen)
+
+
+def checkpoint_from_host(function, *args, **kwargs):
+    """transformers' checkpointing hook (called as func(layer_forward, hidden_states, ...)): a non-reentrant
+    checkpoint that holds the hidden states only as a host copy (module docstring)."""
+    from torch.utils.checkpoint import checkpoint
+
+    if not args or not isinstance(args[0], torch.Tensor):
+        return checkpoint(function, *args, use_reentrant=False, **kwargs)
+    device = args[0].device
+    host = args[0].to("cpu")  # tracked by autograd; its backward (a copy back) keeps no tensor
+
+    def on_device(host_states, *rest, **kw):
+        return function(host_states.to(device, non_blocking=True), *rest, **kw)
+
+    return checkpoint(on_device, host, *args[1:], use_reentrant=False, **kwargs)
