@@ -38,6 +38,14 @@ MEASURED = [
     ("qwen3_vl_4b", 64, 6617, 15, dict(zero_stage=3, loss="model", vision_chunk_frames=0), 2, 17.68,
      {"load": 5.24, "forward": 14.98, "backward": 17.68, "optimizer_step": 4.57}, "BENCHMARKS.md"),
     ("qwen3_vl_4b", 64, 6667, 180, ANCHOR, 2, 19.65, None, "BENCHMARKS.md"),
+    # session 4, one H200 (BENCHMARKS.md "One H200"): the shipping defaults (chunked loss, vision tower without
+    # autograd in 64-frame chunks, ZeRO-3 leaf layers); forward = the first forward's peak
+    ("qwen3_vl_4b", 64, 6617, 13, dict(zero_stage=2), 1, 11.30,
+     {"forward": 10.56, "backward": 11.30, "optimizer_step": 8.80}, "H200 session 4"),
+    ("qwen3_vl_4b", 64, 6617, 13, dict(zero_stage=3), 1, 12.10,
+     {"forward": 10.93, "backward": 12.10, "optimizer_step": 8.87}, "H200 session 4"),
+    ("qwen3_vl_4b", 64, 6617, 13, dict(zero_stage=2, checkpointing="none"), 1, 54.70,
+     {"forward": 54.57, "backward": 53.38}, "H200 session 4"),
 ]
 
 

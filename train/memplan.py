@@ -32,10 +32,11 @@ weights + trainable + boundaries + kept + max(head, working set); optimizer step
 fp32 temporaries. No coefficient is fitted; one modelling choice was made after comparing with the 4B
 64-512 frame sweep (one [tokens, intermediate] gradient in the working set, not the MLP's three).
 tests/test_memplan.py checks every prediction against the peaks measured on H200s (issue 9's table and
-BENCHMARKS.md: 14 runs, 4B/8B/Qwen3.5-9B shapes, ZeRO-2/3, 1 and 2 GPUs, 64-512 frames, plain and
-supervised-only loss, and 7 per-phase peaks) within 15%: peaks land within 6.3%, phases within 12%. Measured with
-transformers' torch fallback for Qwen3.5's linear attention (fla's kernels save less; unmeasured) and
-before the vision and chunked-loss levers existed (their parts are counted, not yet measured).
+BENCHMARKS.md: 17 runs, 4B/8B/Qwen3.5-9B shapes, ZeRO-2/3, 1 and 2 GPUs, 64-512 frames, plain and
+supervised-only loss, 3 runs with the shipping levers and without checkpointing, and 15 per-phase peaks) within
+15%. Measured with transformers' torch fallback for Qwen3.5's linear attention (fla's kernels save less;
+unmeasured). Known misses (BENCHMARKS.md "One H200"): 512 frames with all-but-8 checkpointing +15.7%, and the
+offload configurations (-14% / -35%, measured before --offload-activations really offloaded).
 
 `choose` walks the candidates fastest first (ZeRO-2 without checkpointing > ZeRO-2 > ZeRO-3 > +activation
 offload > +optimizer offload > +parameter offload; a quantized base only when asked for, since it changes
