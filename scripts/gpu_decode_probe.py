@@ -23,7 +23,10 @@ Writes OUT/gpu_decode_probe.json and OUT/gpu_decode_probe.md (a short table); pr
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import importlib
 import json
+import multiprocessing
 import os
 import platform
 import shutil
@@ -31,6 +34,7 @@ import subprocess
 import sys
 import time
 import traceback
+from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import Pool
 from pathlib import Path
 
@@ -54,6 +58,17 @@ def _stage(results: dict, name: str, fn, *args, **kw):
     print(f"[gpu_decode_probe] {name}: {'ok' if ok else 'FAILED ' + results[name]['error'][:300]} "
           f"({results['stage_s'][name]} s)", flush=True)
     return results[name] if ok else None
+
+
+def isolated(fn, *args):
+    """fn(*args) in a spawned child process: a crash in native code (measured: the first NVDEC calls of
+    PyNvVideoCodec 2.2.4 segfaulted the whole probe on the H200 host) ends only that stage, as
+    BrokenProcessPool, and faulthandler prints the child's Python stack to stderr. A probe function is
+    passed by its module path, so the child imports this module, not __main__."""
+    if getattr(fn, "__module__", None) == "__main__":
+        fn = getattr(importlib.import_module("scripts.gpu_decode_probe"), fn.__name__)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=faulthandler.enable) as ex:
+        return ex.submit(fn, *args).result()
 
 
 # ----------------------------------------------------------------------------------------------- env
@@ -498,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=200.0, help="after this, repeats are skipped")
     args = ap.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("PYTHONFAULTHANDLER", "1")  # the builds' workers print their stack if NVDEC crashes
+    faulthandler.enable()
     start = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -512,12 +529,12 @@ def main(argv: list[str] | None = None) -> int:
     save()
     clips = (made or {}).get("parity_clips") or []
     if clips:
-        _stage(res, "nvdec_api", nvdec_api, next((c for c in clips if "bframes" in c), clips[-1]))
-        _stage(res, "parity", parity, clips)
-        _stage(res, "stages", stages, clips[-1])
+        _stage(res, "nvdec_api", isolated, nvdec_api, next((c for c in clips if "bframes" in c), clips[-1]))
+        _stage(res, "parity", isolated, parity, clips)
+        _stage(res, "stages", isolated, stages, clips[-1])
         hd_clips = sorted(Path(made["hd"]).glob("*.mp4"))
         if hd_clips:
-            _stage(res, "stages_hd", stages, str(hd_clips[0]))
+            _stage(res, "stages_hd", isolated, stages, str(hd_clips[0]))
         save()
     if made:
         b = _stage(res, "builds", builds, made["set"], args.work, args.cpu_workers, args.gpu_workers, args.repeats,

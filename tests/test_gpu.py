@@ -168,3 +168,9 @@ def test_the_device_probe_reports_failed_stages_instead_of_dying(tmp_path, monke
     res["builds"] = {"error": "boom", "runs": []}
     text = probe.table(res)
     assert "NVDEC cannot open" in text and "boom" in text
+    # a native crash in an isolated stage (the H200 run's NVDEC segfault) ends that stage only
+    import faulthandler
+
+    assert probe._stage(res, "nvdec_api", probe.isolated, faulthandler._sigsegv) is None
+    assert res["nvdec_api"]["error"].startswith("BrokenProcessPool")
+    assert probe._stage(res, "after", probe.isolated, abs, -3) == 3
