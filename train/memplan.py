@@ -32,11 +32,13 @@ weights + trainable + boundaries + kept + max(head, working set); optimizer step
 fp32 temporaries. No coefficient is fitted; one modelling choice was made after comparing with the 4B
 64-512 frame sweep (one [tokens, intermediate] gradient in the working set, not the MLP's three).
 tests/test_memplan.py checks every prediction against the peaks measured on H200s (issue 9's table and
-BENCHMARKS.md: 17 runs, 4B/8B/Qwen3.5-9B shapes, ZeRO-2/3, 1 and 2 GPUs, 64-512 frames, plain and
-supervised-only loss, 3 runs with the shipping levers and without checkpointing, and 15 per-phase peaks) within
-15%. Measured with transformers' torch fallback for Qwen3.5's linear attention (fla's kernels save less;
-unmeasured). Known misses (BENCHMARKS.md "One H200"): 512 frames with all-but-8 checkpointing +15.7%, and the
-offload configurations (-14% / -35%, measured before --offload-activations really offloaded).
+BENCHMARKS.md: 18 runs, 4B/8B/Qwen3.5-9B shapes, ZeRO-2/3, 1 and 2 GPUs, 64-512 frames, plain and
+supervised-only loss, 4 runs with the shipping levers, with and without checkpointing, and 17 per-phase peaks)
+within 15% (all within 9%). Two modelling choices were made after session 4's H200 runs, both from what
+autograd keeps, not fitted: rotary keeps no per-token tensor, and with LoRA dropout a frozen projection's
+input is not kept (only the dropout outputs are). Measured with transformers' torch fallback for Qwen3.5's
+linear attention (fla's kernels save less; unmeasured). Known miss (BENCHMARKS.md "One H200"): the offload
+configurations (-14% / -35%, measured before --offload-activations really offloaded).
 
 `choose` walks the candidates fastest first (ZeRO-2 without checkpointing > ZeRO-2 > ZeRO-3 > +activation
 offload > +optimizer offload > +parameter offload; a quantized base only when asked for, since it changes
@@ -140,10 +142,14 @@ def layer_bytes_per_token(layer: LayerShape, shape: ModelShape, *, lora_dropout:
     H, I = shape.hidden, shape.intermediate
     f32 = 4
     lora = sum(n * w for w, n in layer.lora_inputs.items()) * (act + 1) if lora_dropout else 0  # output + mask
-    mlp = f32 * H + act * H + 4 * act * I  # norm (fp32), shared input, gate / act / up / product
+    # A projection's input is kept by whatever needs it for a weight gradient: the LoRA A matrix (no dropout)
+    # or a trainable base weight. With LoRA dropout only the dropout outputs (above) are kept: the frozen
+    # base needs no input, so the norms' bf16 outputs and the MLP's product go once the layer has run.
+    shared = 0 if lora_dropout else act
+    mlp = f32 * H + shared * H + 3 * act * I + shared * I  # norm (fp32), input, gate / act / up, product
     if layer.kind == "full_attention":
         q, kv = layer.q, layer.kv
-        mixer = (f32 * H + act * H  # input norm (fp32) and the q/k/v projections' shared input
+        mixer = (f32 * H + shared * H  # input norm (fp32) and the q/k/v projections' shared input
                  + f32 * (q + kv)  # q_norm / k_norm in fp32
                  # rotary saves nothing per token: q*cos + rotate_half(q)*sin keeps only cos/sin for backward
                  # (counting q, k and their halves here over-predicted the 4B ckpt-none peak by 17%, H200)
@@ -152,7 +158,7 @@ def layer_bytes_per_token(layer: LayerShape, shape: ModelShape, *, lora_dropout:
     else:
         C, Vd = layer.conv, layer.value
         k = (C - Vd) // 2  # query = key width
-        mixer = (f32 * H + act * H  # input norm, projections' input
+        mixer = (f32 * H + shared * H  # input norm, projections' input
                  + 3 * act * C  # conv input, conv output, silu output
                  + 2 * 2 * f32 * k + f32 * Vd  # q, k l2-normalized in fp32 (input and output), v in fp32
                  + 4 * f32 * 64 * layer.v_heads  # chunked intra-chunk matrices (chunk 64) per value head
