@@ -68,9 +68,15 @@ def decode_windows(path: str, frame_indices: Sequence[Sequence[int]], *, backend
 
     Raises DecodeError when the decoder fails; frames already yielded stay valid.
     """
-    reader = open_reader(backend, path, num_threads=num_threads, rotation=rotation)
+    yield from read_windows(open_reader(backend, path, num_threads=num_threads, rotation=rotation), path,
+                            frame_indices)
+
+
+def read_windows(reader, path: str, frame_indices: Sequence[Sequence[int]]) -> Iterator[tuple[int, list]]:
+    """Yield (window position, its frames) from `reader` (any backend's get_batch, CPU or GPU), decoding only
+    the frames the previous window did not have; closes the reader at the end."""
     try:
-        cache: dict[int, np.ndarray] = {}  # the previous window's frames
+        cache: dict = {}  # the previous window's frames
         for pos, indices in enumerate(frame_indices):
             if pos:
                 faults.maybe_hang("decode", path)

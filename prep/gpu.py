@@ -41,7 +41,6 @@ from pathlib import Path
 
 import numpy as np
 
-from prep import faults
 from prep.decoders import DecodeError
 
 PACKAGE = "pynvvideocodec==2.2.4"
@@ -343,19 +342,11 @@ def decode_windows(path: str, frame_indices: Sequence[Sequence[int]], *, rotatio
     checked. DecodeError on a failure."""
     import torch
 
+    from prep.decode import read_windows
+
     reader = (reader_cls or NvdecReader)(path, rotation=rotation, size=size)
-    try:
-        cache: dict = {}
-        for pos, indices in enumerate(frame_indices):
-            if pos:
-                faults.maybe_hang("decode", path)
-                faults.maybe_kill("decode", path)
-            missing = sorted(set(indices) - cache.keys())
-            batch = reader.get_batch(missing) if missing else []
-            cache = {i: cache[i] for i in indices if i in cache} | dict(zip(missing, batch))
-            yield pos, torch.stack([cache[i] for i in indices])
-    finally:
-        reader.close()
+    for pos, frames in read_windows(reader, path, frame_indices):
+        yield pos, torch.stack(frames)
 
 
 def encode_windows(decoded: Iterable[tuple[int, object]], sizes: Sequence[tuple[int, int]],
