@@ -83,6 +83,26 @@ def _upright(frames: np.ndarray, rotation: int) -> np.ndarray:
     return np.ascontiguousarray(np.rot90(frames, k=k, axes=(1, 2))) if k else frames
 
 
+def take_forward(reader, indices: Sequence[int], convert, label: str, note=lambda: "") -> list:
+    """The frames at sorted `indices` from a reader that decodes forward only (PyAV here, NVDEC in
+    prep/gpu.py): `reader._frames` yields frame `reader._next` next, in presentation order, so frame i is
+    the i-th frame out. `convert` turns each wanted frame into an array while it is current. DecodeError
+    when the file ends first, with `note()` appended (read then: the iterator may have set it)."""
+    out, want = [], None
+    try:
+        for want in indices:
+            while True:
+                frame = next(reader._frames)
+                reader._next += 1
+                if reader._next - 1 == want:
+                    out.append(convert(frame))
+                    break
+    except StopIteration:
+        raise DecodeError(f"{label}: {reader.path} ends after {reader._next} frames, frame {want} was asked"
+                          f"{note()}") from None
+    return out
+
+
 class _Decord:
     def __init__(self, path: str, *, num_threads: int, rotation: int):
         import decord
@@ -150,17 +170,8 @@ class _PyAV:
 
         if indices and indices[0] < self._next:
             self._open()  # behind the current position: decode from the start again (exact, never a seek)
-        out = []
         try:
-            for want in indices:
-                while True:
-                    frame = next(self._frames)
-                    self._next += 1
-                    if self._next - 1 == want:
-                        out.append(frame.to_ndarray(format="rgb24"))
-                        break
-        except StopIteration:
-            raise DecodeError(f"PyAV: {self.path} ends after {self._next} frames, frame {want} was asked") from None
+            out = take_forward(self, indices, lambda frame: frame.to_ndarray(format="rgb24"), "PyAV")
         except av.FFmpegError as e:
             raise DecodeError(f"PyAV failed on frames {indices[0]}..{indices[-1]} of {self.path}: {_short(e)}") from e
         return _upright(np.stack(out), self.rotation) if out else np.empty((0, 0, 0, 3), np.uint8)

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from prep.decoders import DecodeError
+from prep.decoders import DecodeError, take_forward
 
 PACKAGE = "pynvvideocodec==2.2.4"
 GPU_WORKERS = 4  # default --workers under --device cuda: processes sharing the one GPU
@@ -295,20 +295,14 @@ class NvdecReader:
 
         if indices and indices[0] < self._next:
             self._open()
-        out, want = [], None
+        def to_rgb(frame):
+            rgb = surface_to_rgb(_surface(frame), self.path)
+            if rgb.is_cuda:  # the decoder may reuse that surface once asked for the next frame
+                torch.cuda.current_stream().synchronize()
+            return rgb
+
         try:
-            for want in indices:
-                while True:
-                    frame = next(self._frames)
-                    self._next += 1
-                    if self._next - 1 == want:
-                        out.append(surface_to_rgb(_surface(frame), self.path))
-                        if out[-1].is_cuda:  # the decoder may reuse that surface once asked for the next frame
-                            torch.cuda.current_stream().synchronize()
-                        break
-        except StopIteration:
-            raise DecodeError(f"NVDEC: {self.path} ends after {self._next} frames, frame {want} was asked"
-                              f"{getattr(self, '_flush_error', '')}") from None
+            out = take_forward(self, indices, to_rgb, "NVDEC", note=lambda: getattr(self, "_flush_error", ""))
         except DecodeError:
             raise
         except Exception as e:
