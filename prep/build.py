@@ -1039,7 +1039,7 @@ def parser() -> argparse.ArgumentParser:
       help="cpu: --decoder + torch resize + PIL JPEG in --workers processes; cuda: NVDEC decode (pip install "
            "pynvvideocodec), GPU resize and nvjpeg (torchvision) in a few processes sharing the GPU (--workers, "
            f"default min(cores, {GPU_WORKERS})); the CPU path's frame indices, colour conversion and resize, nvjpeg's "
-           "own JPEG bytes (prep/gpu.py)")
+           "own JPEG bytes (prep/gpu.py). Experimental: not yet seen to run on a GPU (BENCHMARKS.md)")
     a("--samples-per-shard", type=int, default=256, help="target samples per shard (whole videos; a shard may hold fewer)")
     a("--shard-size-mb", type=float, default=1024.0, help="soft cap on estimated shard size in MiB (0: none)")
     a("--workers", type=int, default=None, help="processes for probing and shards (default: all cores)")
