@@ -212,17 +212,19 @@ def test_name(duration_s: float) -> str:
 def run_learnability(out: Path, profile: str = "ci", *, seed: int = 0, steps: int | None = None,
                      train_videos: int | None = None, test_videos: int | None = None,
                      test_durations: tuple[float, ...] | None = None, device: str | None = None,
-                     workers: int | None = None, log=print) -> dict:
+                     workers: int | None = None, overrides: dict | None = None, log=print) -> dict:
     """One seed of the experiment; returns (and writes to OUT/learnability.json) the before/after metrics.
 
     result["tests"][name] = {"duration_s", "after"} per held-out set (name "24s"); the first set also has
-    "before". result["before"] / result["after"] are the first set's."""
+    "before". result["before"] / result["after"] are the first set's. overrides: other Profile fields
+    (`--set`), for trying a change without editing the profile."""
     import torch
 
     from train.models import create_random_model
 
     p = dataclasses.replace(PROFILES[profile], **{k: v for k, v in {
-        "train_videos": train_videos, "test_videos": test_videos, "test_durations": test_durations}.items() if v is not None})
+        "train_videos": train_videos, "test_videos": test_videos, "test_durations": test_durations}.items() if v is not None},
+        **(overrides or {}))
     steps = steps or p.steps
     cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     workers = workers or len(os.sched_getaffinity(0))
@@ -305,6 +307,24 @@ def spread(results: list[dict]) -> dict:
     return out
 
 
+def parse_overrides(items: list[str]) -> dict:
+    """`--set FIELD=VALUE` pairs -> Profile fields, each VALUE converted to the field's default's type."""
+    fields = {f.name: f for f in dataclasses.fields(Profile)}
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or name not in fields:
+            raise SystemExit(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
+        default = getattr(PROFILES["ci"], name)
+        if isinstance(default, tuple):
+            out[name] = tuple(float(x) for x in value.split(","))
+        elif default is None or isinstance(default, str):
+            out[name] = value
+        else:
+            out[name] = type(default)(value)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="work folder (emptied first)")
@@ -317,16 +337,19 @@ def main() -> None:
     ap.add_argument("--first-seed", type=int, default=0, help="seeds run are first-seed .. first-seed + seeds - 1")
     ap.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--workers", type=int, help="processes for video writing and prep (default: all cores)")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override one Profile field (repeatable), e.g. --set batch_size=4 --set lr=3e-3")
     ap.add_argument("--no-check", action="store_true", help="exit 0 even when the thresholds are missed")
     args = ap.parse_args()
     durations = tuple(float(x) for x in args.test_durations.split(",")) if args.test_durations else None
+    overrides = parse_overrides(args.set)
     t0 = time.time()
     results = []
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         out = args.out / f"seed{seed}" if args.seeds > 1 else args.out
         result = run_learnability(out, args.profile, seed=seed, steps=args.steps, train_videos=args.train_videos,
                                   test_videos=args.test_videos, test_durations=durations, device=args.device,
-                                  workers=args.workers, log=lambda s, seed=seed: print(f"[seed {seed}] {s}", flush=True))
+                                  workers=args.workers, overrides=overrides, log=lambda s, seed=seed: print(f"[seed {seed}] {s}", flush=True))
         results.append(result)
         print(json.dumps({k: result[k] for k in ("profile", "seed", "device", "passed", "thresholds", "seconds")}
                          | {"before": {k: v for k, v in result["before"].items() if k != "examples"},

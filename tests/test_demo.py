@@ -3,14 +3,11 @@ stage runs as its own command and the outputs a newcomer opens exist. That the r
 the learnability test's job (same recipe, full size), so no second real training run here."""
 import json
 import os
-import signal
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.train_helpers import run_group
 
 
 @pytest.mark.slow
@@ -19,15 +16,9 @@ def test_demo_runs_every_stage_and_writes_the_review_page(tmp_path):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "-m", "scripts.demo", "--out", str(out), "--steps", "2", "--train-videos", "3",
            "--test-videos", "2"]
-    # its own process group: on timeout the demo and every stage it started are killed together
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=420)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"demo did not finish in 420 s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    # on timeout the demo and every stage it started are killed together
+    proc = run_group(cmd, timeout=420, env=env)
+    stdout, stderr = proc.stdout, proc.stderr
     assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
     lines = stdout.splitlines()
     for stage in ("prep train", "prep held-out", "predict before", "train", "verify", "predict", "evaluate", "export"):

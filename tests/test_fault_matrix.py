@@ -6,28 +6,17 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
-from pathlib import Path
 
-import pytest
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.train_helpers import REPO, run_group
 
 
 def test_fault_matrix_smallest_build_sweep_recovers_the_kill(tmp_path):
     work = tmp_path / "work"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "scripts.fault_matrix", "--work", str(work), "--build-kills", "1",
-                             "--train-kills", "0"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"fault_matrix did not finish in 300 s:\n{out[-4000:]}")
+    proc = run_group([sys.executable, "-m", "scripts.fault_matrix", "--work", str(work), "--build-kills", "1",
+                      "--train-kills", "0"], timeout=300, env=env, stderr_to_stdout=True)
+    out = proc.stdout
     assert proc.returncode == 0, out[-6000:]
     assert "build: 1/1 kill points recovered" in out and "train:" not in out, out[-4000:]
     summary = json.loads((work / "fault_matrix.json").read_text())

@@ -4,10 +4,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from schemas.manifest import SampleRecord, read_records, write_records
 
@@ -53,6 +56,22 @@ def launch(args: list[str], *, nproc: int = 2, env: dict | None = None, timeout:
     else:
         cmd = [sys.executable, "-m", "train.main", *args]
     return subprocess.run(cmd, cwd=REPO, env=train_env(env), capture_output=True, text=True, timeout=timeout)
+
+
+def run_group(cmd: list[str], *, timeout: int, env: dict | None = None,
+              stderr_to_stdout: bool = False) -> subprocess.CompletedProcess:
+    """Run cmd from the repo root in a process group of its own; on timeout SIGKILL the whole group (the
+    command and every stage or rank it started) and fail the test with the output's tail, so a hang costs
+    `timeout` seconds and leaves nothing running."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True,
+                            stderr=subprocess.STDOUT if stderr_to_stdout else subprocess.PIPE)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s:\n{stdout[-4000:]}\n{(stderr or '')[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def verify(run_dir: Path) -> subprocess.CompletedProcess:
