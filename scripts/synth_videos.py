@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 BOUNCE_PX_S = 40.0  # square speed of motion="bounce", pixels per second
+COLORS = ((255, 40, 40), (40, 255, 40), (40, 80, 255))  # event k of a video is COLORS[(color_offset + k) % 3]
 
 CONTAINER = {"libx264": "mp4", "h264": "mp4", "mpeg4": "mp4", "hevc": "mp4", "libx265": "mp4",
              "libvpx-vp9": "webm", "libvpx": "webm", "mjpeg": "avi", "libsvtav1": "mkv"}
@@ -40,6 +41,9 @@ class VideoSpec:
     # tells how far the event has run, so the first and last frames look unlike the rest); "bounce" = back
     # and forth at BOUNCE_PX_S from a start position of its own, so any frame of an event looks like any other
     motion: str = "sweep"
+    # the first event's color (index into COLORS); later events take the next ones. With 0..3 events per video
+    # and 0 everywhere, the third color is rare (only videos with three events show it)
+    color_offset: int = 0
 
     @property
     def filename(self) -> str:
@@ -62,7 +66,7 @@ def render_frame(spec: VideoSpec, i: int, texture: np.ndarray) -> np.ndarray:
             else:
                 x = int((t - start) / max(end - start, 1e-6) * travel)
             y = (h - side) // 2
-            color = [(255, 40, 40), (40, 255, 40), (40, 80, 255)][k % 3]
+            color = COLORS[(spec.color_offset + k) % len(COLORS)]
             frame[y:y + side, x:x + side] = color
     return frame
 
@@ -123,16 +127,18 @@ def write_dataset(out_dir: str | Path, specs: list[VideoSpec], query: str | None
 
 
 def event_specs(n: int, seed: int = 0, duration_s: float = 24.0, duration_range: tuple[float, float] | None = None,
-                **kw) -> list[VideoSpec]:
+                rotate_colors: bool = False, **kw) -> list[VideoSpec]:
     """n videos with random events; all duration_s long, or each a whole number of seconds drawn from
-    duration_range (its own generator, so the events of a fixed-length set do not change with it)."""
+    duration_range (its own generator, so the events of a fixed-length set do not change with it).
+    rotate_colors: video i starts at color i % 3, so each color opens a third of the videos and the third one
+    is no longer rare (default: every video starts red)."""
     rng = random.Random(seed)
     lengths = random.Random(seed * 7919 + 1)
     specs = []
     for i in range(n):
         d = float(round(lengths.uniform(*duration_range))) if duration_range else duration_s
         specs.append(VideoSpec(name=f"synth_{seed}_{i:04d}", duration_s=d, events=random_events(rng, d),
-                               seed=seed * 100003 + i, **kw))
+                               seed=seed * 100003 + i, color_offset=i % len(COLORS) if rotate_colors else 0, **kw))
     return specs
 
 

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from scripts.synth_videos import BOUNCE_PX_S, VideoSpec, event_specs, render_frame
+from scripts.synth_videos import BOUNCE_PX_S, COLORS, VideoSpec, event_specs, render_frame
 
 
 def square_columns(spec, i):
@@ -39,3 +39,18 @@ def test_duration_range_draws_whole_seconds_without_changing_fixed_sets():
     mixed = event_specs(20, seed=5, duration_range=(16.0, 32.0))
     assert {s.duration_s for s in mixed} <= set(map(float, range(16, 33))) and len({s.duration_s for s in mixed}) > 3
     assert event_specs(3, seed=5, duration_s=24.0) == event_specs(3, seed=5)  # the fixed-length sets are as before
+
+
+def test_rotate_colors_opens_videos_with_every_color_and_leaves_default_sets_red():
+    def first_color(spec):
+        texture = np.zeros((spec.height + 8, spec.width * 2 + 8, 3), np.uint8)
+        frame = render_frame(spec, int(spec.events[0][0] * spec.fps) + 1, texture)
+        return tuple(int(c) for c in frame[frame.max(axis=2) > 200][0])
+
+    rotated = [s for s in event_specs(30, seed=5, duration_range=(16.0, 32.0), rotate_colors=True) if s.events]
+    assert {first_color(s) for s in rotated} == set(COLORS)
+    assert all(first_color(s) == COLORS[int(s.name[-4:]) % 3] for s in rotated)
+    plain = event_specs(30, seed=5, duration_range=(16.0, 32.0))
+    assert {first_color(s) for s in plain if s.events} == {COLORS[0]}  # held-out sets: as before
+    assert [s.events for s in plain] == [s.events for s in event_specs(30, seed=5, duration_range=(16.0, 32.0),
+                                                                         rotate_colors=True)]  # same event times
