@@ -10,6 +10,8 @@ valid/degenerate rates) and exits 1 when the profile's thresholds are missed (--
     python -m scripts.learnability --profile ci --out /tmp/learn        # ~2 min on 2 idle CPU cores
     python -m scripts.learnability --seeds 3 --first-seed 1 --test-durations 20,40 --out /tmp/spread
     python -m scripts.learnability --profile full --out /tmp/learn      # one GPU (bf16), prep on all cores
+    python -m scripts.learnability --first-seed 5 --test-durations 20,32 --set last_window=keep --out /tmp/lw
+                                                                        # one Profile field changed (--set)
 
 Seed k draws its own train videos, held-out videos, model init and plan shuffle (the recipe was tuned on
 seeds 0..6; seeds 7.. were first run with the final recipe, BENCHMARKS.md); --seeds N runs N seeds one after the other and reports the spread (median, min,
