@@ -137,7 +137,9 @@ def train_args(p: Profile, shards: Path, model_dir: Path, run_dir: Path, *, cuda
             "--micro-batch-size", str(p.batch_size), "--lr", str(p.lr), "--warmup-steps", str(p.warmup_steps),
             "--decay-ratio", str(p.decay_ratio), "--min-lr-ratio", str(p.min_lr_ratio), "--seed", str(seed),
             "--tail", "pad", "--zero-stage", "0", "--no-gradient-checkpointing", "--dtype", "bf16" if cuda else "fp32",
-            "--log-every", "25", "--num-workers", "4" if cuda else "0"]
+            # on CPU one loader process decodes the next micro-batch while the step runs: on 2 cores the demo's
+            # data wait fell from 21% to 4% of a step and its training from 231 s to 170 s (same numbers)
+            "--log-every", "25", "--num-workers", "4" if cuda else "1"]
 
 
 def predict_args(p: Profile, model_dir: Path, shards: Path, out: Path, device: str | None) -> list[str]:
