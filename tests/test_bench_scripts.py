@@ -38,7 +38,7 @@ def test_issue9_matrix_covers_the_targets_and_legs_exist():
     assert all(leg.config == "anchor" or leg.config in LEGS for leg in legs)
     first = names[:5]
     assert first == ["qwen3_vl_4b-64f-anchor", "qwen3_vl_4b-64f-auto", "qwen3_vl_4b-64f-zero2",
-                     "qwen3_vl_4b-64f-zero3", "qwen3_vl_4b-64f-zero3-resident"]
+                     "qwen3_vl_4b-64f-zero3", "qwen3_vl_4b-64f-zero3-partitioned"]
     for wanted in ("qwen3_vl_4b-64f-plain", "qwen3_vl_4b-128f-auto-cap12", "qwen3_vl_4b-256f-auto-cap12", "qwen3_vl_4b-1024f-auto",
                    "qwen3_vl_8b-64f-auto", "qwen3_5_9b-64f-auto", "qwen3_5_9b-64f-linear-torch"):
         assert wanted in names
@@ -46,6 +46,13 @@ def test_issue9_matrix_covers_the_targets_and_legs_exist():
             {"leg": "x-64f-auto", "config": "auto", "size": "x", "frames": 64, "cap_gib": None, "step_s": 0.5,
              "rc": 0, "predicted_peak_gib": 9.0, "prediction_error": -0.05, "resolved": {"zero_stage": 2}},
             {"leg": "x-64f-zero3", "config": "zero3", "size": "x", "frames": 64, "cap_gib": None,
-             "skipped": "time budget"}]
+             "skipped": "time budget"},
+            {"leg": "x-64f-zero2", "config": "zero2", "size": "x", "frames": 64, "cap_gib": None, "step_s": 0.6,
+             "rc": 0, "losses": [12.0, 11.0, 10.0]},
+            {"leg": "x-64f-liger", "config": "zero2-liger-kernels", "size": "x", "frames": 64, "cap_gib": None,
+             "step_s": 0.55, "rc": 0, "losses": [12.0, 11.11, 10.0]}]
     text = table(rows)
     assert "| x-64f-auto | 0 | 0.5 | 6.00x |" in text and "9.0 (-5.0%)" in text and "| x-64f-zero3 | skipped |" in text
+    # per-step losses against the zero2 leg's: the largest relative difference (0.11 / 11), none without losses
+    assert "| 1.0e-02 |" in text.splitlines()[-1] and "| 0.0e+00 |" in text.splitlines()[-2]
+    assert "e-0" not in text.splitlines()[3] and "e+0" not in text.splitlines()[3]

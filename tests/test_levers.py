@@ -364,9 +364,10 @@ def test_trainer_refuses_levers_this_device_or_family_cannot_run(tmp_path, built
     check("qwen3_vl", "--pack", "--max-tokens-per-batch", "2000")  # fine
     with pytest.raises(ConfigError) as e:
         check("qwen3_5", "--pack", "--max-tokens-per-batch", "2000", "--mem-cap-gib", "12", "--quantize-base", "nf4",
-              "--zero-stage", "2", "--attention", "flash_attention_2")
+              "--zero-stage", "2", "--attention", "flash_attention_2", "--liger-kernels")
     msg = str(e.value)
     for part in ("--pack with Qwen3.5: its linear-attention layers", "--mem-cap-gib needs a CUDA device",
+                 "--liger-kernels needs a CUDA device",
                  "--quantize-base needs a CUDA device", "--attention flash_attention_2 needs a CUDA device"):
         assert part in msg, msg
 
@@ -400,3 +401,17 @@ def test_liger_falls_back_to_its_ops_function_when_its_transformers_patches_do_n
     torch.manual_seed(0)
     w, h, t = torch.randn(50, 8), torch.randn(6, 8), torch.randint(0, 50, (6,))
     torch.testing.assert_close(fn(w, h, t), F.cross_entropy(F.linear(h, w), t))
+
+
+def test_zero3_keeps_parameters_whole_only_on_one_rank_without_offload_or_an_explicit_threshold(tmp_path, built_shards):
+    from train.config import ONE_RANK_PERSISTENCE, parse_config, resolve_deepspeed_config
+
+    def threshold(world: int, *flags: str) -> float:
+        cfg = parse_config(["--shards", str(built_shards), "--output-dir", str(tmp_path), "--zero-stage", "3", *flags])
+        return resolve_deepspeed_config(cfg, world, 10)["zero_optimization"]["stage3_param_persistence_threshold"]
+
+    assert threshold(1) == ONE_RANK_PERSISTENCE
+    assert threshold(2) == 1e4  # partitioning is the point with more ranks
+    assert threshold(1, "--param-persistence-threshold", "1e5") == 1e5
+    assert threshold(1, "--offload-params") == 1e4
+    assert threshold(1, "--preset", "video-ora-zero3") == 1e4  # the original run's config, as it was

@@ -310,11 +310,12 @@ def test_full_finetune_qwen3_5_with_tail_pad_reloads_with_from_pretrained(five, 
 @pytest.fixture(scope="module")
 def single_run(one, cache, tmp_path_factory):
     """One process, LoRA, 6 epochs of one sample; --model given relative to the trainer's working directory,
-    as a user types it."""
+    as a user types it; steps 1-2 profiled."""
     run = tmp_path_factory.mktemp("single_run")
     model = os.path.relpath(cache / "tiny_qwen3_vl", REPO)
     proc = launch(_args(one, run, cache, "--model", model, "--epochs", "6", "--lr", "3e-3", "--lora-dropout", "0",
-                        "--warmup-steps", "0", "--min-lr-ratio", "1.0", "--dtype", "fp32", "--num-workers", "0"), nproc=0)
+                        "--warmup-steps", "0", "--min-lr-ratio", "1.0", "--dtype", "fp32", "--num-workers", "0",
+                        "--profile-steps", "2"), nproc=0)
     return proc, run
 
 
@@ -324,6 +325,24 @@ def test_loss_goes_down_on_a_repeated_batch_single_process(single_run):
     losses = [steps(run, 0)[s]["loss"] for s in range(6)]
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
     assert losses[-1] < 0.9 * losses[0], losses
+
+
+def test_one_rank_zero3_keeps_parameters_whole_and_the_profile_names_the_ops(single_run):
+    """On one rank (CPU: ZeRO-3) every parameter is persistent, so nothing is gathered per layer; and
+    --profile-steps 2 leaves a Chrome trace and an op table of the profiled steps."""
+    import gzip
+
+    from train.config import ONE_RANK_PERSISTENCE
+
+    proc, run = single_run
+    assert proc.returncode == 0, explain(proc)
+    zero = json.loads((run / "run.json").read_text())["deepspeed_config"]["zero_optimization"]
+    assert zero["stage"] == 3 and zero["stage3_param_persistence_threshold"] == ONE_RANK_PERSISTENCE
+    trace = json.loads(gzip.decompress((run / "profile" / "rank0.trace.json.gz").read_bytes()))
+    assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"])
+    table = (run / "profile" / "kernels_rank0.txt").read_text().splitlines()
+    assert table[0].startswith("2 profiled step(s)") and len(table) > 10
+    assert any("aten::mm" in line or "aten::addmm" in line or "aten::linear" in line for line in table[2:])
 
 
 OPEN_ADAPTER = """

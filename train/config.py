@@ -32,6 +32,7 @@ DEFAULT_LORA_TARGETS = (
 # The flags that shape the DeepSpeed config, their values when not given, and where each lives in
 # zero_optimization. With --deepspeed FILE the file decides them: a flag given with a file that sets the
 # same key otherwise (or not at all, so DeepSpeed's own default would apply) is an error naming both.
+ONE_RANK_PERSISTENCE = 1e15  # elements: above any parameter, so on one rank ZeRO-3 keeps all of them whole
 ZERO_DEFAULTS = {"zero_stage": 3, "reduce_bucket_size": 5e6, "prefetch_bucket_size": 5e6, "param_persistence_threshold": 1e4}
 ZERO_KEYS = {"zero_stage": "stage", "reduce_bucket_size": "reduce_bucket_size",
              "prefetch_bucket_size": "stage3_prefetch_bucket_size",
@@ -93,6 +94,8 @@ class TrainConfig:
     sequence_parallel: int = 1  # ranks one sample's tokens are split over (train/sequence_parallel.py)
     quantize_base: str | None = None  # nf4 | int8: the frozen base in bitsandbytes (CUDA, LoRA)
     linear_attention: str = "auto"  # Qwen3.5: auto | fla | torch (train/kernels.py)
+    liger_kernels: bool = False  # liger's RMSNorm / rotary / SwiGLU kernels (CUDA; train/kernels.py)
+    profile_steps: int = 0  # torch.profiler over this many steps after the first (train/profile.py)
     save_every: int = 0  # checkpoint every N optimizer steps (0: never; the final weights are always saved)
     resume: Path | None = None  # RUN directory to resume from (its latest checkpoint)
     verify_load: bool = False  # compare every checkpoint tensor against the loaded (gathered) parameters
@@ -165,6 +168,8 @@ class TrainConfig:
             p.append(f"--zero-stage {self.zero_stage}: choose one of {ZERO_STAGES}")
         if self.offload_params and self.zero("zero_stage") != 3 and self.deepspeed is None:
             p.append("--offload-params needs ZeRO stage 3")
+        if self.profile_steps < 0:
+            p.append(f"--profile-steps {self.profile_steps}: give a number of steps >= 0")
         if self.offload_optimizer and self.zero("zero_stage") == 0 and self.deepspeed is None:
             p.append("--offload-optimizer needs ZeRO stage >= 1")
         for name in ("reduce_bucket_size", "prefetch_bucket_size"):
@@ -394,6 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--linear-attention", choices=("auto", "fla", "torch"), default=d.linear_attention,
                    help="Qwen3.5's gated-delta-rule layers: fla (flash-linear-attention, checked against torch on "
                    "the device first), torch (plain fallback), auto (fla when importable and correct)")
+    g.add_argument("--liger-kernels", action="store_true",
+                   help="liger-kernel's fused RMSNorm, rotary embedding and SwiGLU in the language model (CUDA)")
     g.add_argument("--mem-cap-gib", type=float, default=None,
                    help="CUDA: cap this process's memory at this many GiB (torch memory fraction), e.g. to act "
                    "as a 12 GiB card; the planner plans for it")
@@ -401,6 +408,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N optimizer steps (0: never)")
     g.add_argument("--resume", type=Path, default=None,
                    help="resume from the latest checkpoint of this run directory (model, optimizer, scheduler, RNG, plan position)")
+    g.add_argument("--profile-steps", type=int, default=d.profile_steps, metavar="N",
+                   help="profile N steps after the first with torch.profiler: RUN/profile/rank{r}.trace.json.gz "
+                   "(open in https://ui.perfetto.dev or chrome://tracing) and kernels_rank{r}.txt (top ops by "
+                   "device time)")
     g.add_argument("--log-every", type=int, default=d.log_every, help="rank 0 prints every Nth step line")
     g.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar (it is drawn on stderr only when that is a terminal)")
@@ -480,6 +491,12 @@ def resolve_deepspeed_config(cfg: TrainConfig, world_size: int, total_steps: int
         ("scheduler", "params", "warmup_max_lr"): cfg.lr,
         ("scheduler", "params", "warmup_min_lr"): 0.0,
     }
+    if (cfg.deepspeed is None and cfg.preset is None and world_size == 1 and cfg.zero("zero_stage") == 3
+            and not cfg.offload_params and cfg.param_persistence_threshold is None):
+        # One rank: its partition is the whole parameter, so partitioning saves nothing and every gather is
+        # a copy plus a wait on the compute stream; every parameter persistent keeps the frozen base resident
+        # (the same bytes) and skips them. An explicit --param-persistence-threshold still decides.
+        ds["zero_optimization"]["stage3_param_persistence_threshold"] = ONE_RANK_PERSISTENCE
     for keys, value in fills.items():
         node = ds
         for k in keys[:-1]:

@@ -73,13 +73,20 @@ from train.memory import (
 from train.models import detect_family, ensure_tiny_model
 from train.ledger import append_ledger, check_ledger
 from train.activations import Checkpointing, apply_checkpointing
-from train.kernels import KernelError, attention_problem, route_linear_attention
+from train.kernels import (
+    KernelError,
+    apply_liger_kernels,
+    attention_problem,
+    liger_kernels_problem,
+    route_linear_attention,
+)
 from train.loss import LossSpec, causal_lm_loss, liger_problem, resolve_loss_impl
 from train.sequence_parallel import SequenceParallelError, sequence_parallel_loss, ulysses
 from train.sequence_parallel import model_problems as sp_model_problems
 from train.sequence_parallel import new_groups as sp_new_groups
 from train.sequence_parallel import rank_layout as sp_layout
 from train.quantize import from_pretrained_kwargs, quantize_problem
+from train.profile import StepProfiler
 from train.plan import PlanConfig, PlanError, global_steps, plan_run, total_steps
 from train.run_record import build_run_record, update_run_record, write_json
 from train.zero import mark_leaf_layers, sharding_report
@@ -225,6 +232,9 @@ class Recipe:
         # 5. Load (partitioned at load under ZeRO-3) and verify against the checkpoint files.
         self.model = self._load_model()
 
+        if cfg.liger_kernels:  # before LoRA wraps the projections the swapped MLP forward calls
+            self.log.event("liger_kernels", swapped=apply_liger_kernels(self.model, self.family))
+
         # 6. What trains: LoRA adapters (default) or every language-model weight; vision frozen unless asked.
         self.model = self._setup_trainable(self.model)
 
@@ -314,6 +324,8 @@ class Recipe:
             problems.append("--pack with Qwen3.5: its linear-attention layers (gated delta rule, causal conv1d) carry "
                             "state along the row, and their torch fallback in transformers ignores sample boundaries, "
                             "so packed samples would see each other; train Qwen3.5 unpacked")
+        if cfg.liger_kernels and (why := liger_kernels_problem(device)) is not None:
+            problems.append(why)
         if cfg.mem_cap_gib is not None and device != "cuda":
             problems.append(f"--mem-cap-gib needs a CUDA device (this run is on {device})")
         if cfg.quantize_base and (why := quantize_problem(device)) is not None:
@@ -468,60 +480,62 @@ class Recipe:
                    desc="train", unit="step", dynamic_ncols=True)
         self.log.bar = bar if self.rank == 0 else None
         engine.train()
-        for step, epoch, _, accum in self.steps:  # `step` is running; self.steps_done counts finished ones
-            t0 = time.time()
-            losses, metas = [], []
-            lr = engine.optimizer.param_groups[0]["lr"]
-            self.tracker.begin_step(step)
-            for planned in accum:
-                with self.tracker.phase("data", step):
-                    tensors, meta = next(batches)
-                if meta.sample_ids != planned.sample_ids:  # the loader must follow the plan, or the ledger lies
-                    raise RuntimeError(f"loader yielded {meta.sample_ids}, plan says {planned.sample_ids}")
-                self.current_meta = meta
-                metas.append(meta)
-                tensors = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
-                with self._sp_scope():  # backward too: checkpointing recomputes the attention there
-                    with self.tracker.phase("first_forward" if step == self.start_step and not losses else "forward", step):
-                        loss = self.forward_loss(tensors)
-                    with self.tracker.phase("backward", step):
-                        engine.backward(loss)
-                with self.tracker.phase("optimizer_step", step):
-                    engine.step()  # DeepSpeed steps the optimizer (and clips) only at the accumulation boundary
-                losses.append(self._sample_loss(loss))
-            step_mem = self.tracker.end_step()  # per-phase peaks of this step; the memory file written once
-            self.steps_done = step + 1
-            self.current_meta = None
-            if self.sp_rank == 0:  # one ledger writer per data-parallel slot
-                append_ledger(self.run_dir, step, self.dp_rank, accum)
-            seconds = time.time() - t0
-            tokens = sum(sum(m.input_tokens) for m in metas)
-            grad_norm = engine.get_global_grad_norm()
-            rec = self.log.step(
-                step=step, epoch=epoch, sample_ids=[s for m in metas for s in m.sample_ids],
-                repeat=[r for m in metas for r in m.repeat], input_tokens=tokens,
-                visual_tokens=sum(sum(m.visual_tokens) for m in metas),
-                supervised_tokens=sum(sum(m.supervised_tokens) for m in metas),
-                loss=sum(losses) / len(losses), lr=lr,
-                grad_norm=float(grad_norm) if grad_norm is not None else None,
-                tokens_per_s=round(tokens / seconds, 1), seconds=round(seconds, 4),
-                peak_alloc_gib=max(v["alloc_gib"] for v in step_mem.values()),
-                peak_reserved_gib=max(v["reserved_gib"] for v in step_mem.values()),
-                memory_kind=next(iter(step_mem.values()))["kind"], phase_memory=step_mem,
-                phase_seconds=self.tracker.last_step_seconds,
-                data_wait_share=round(self.tracker.last_step_seconds.get("data", 0.0) / seconds, 4), phase="train")
-            self._last_losses.append(rec["loss"])
-            bar.update(1)
-            if self.rank == 0 and (step % cfg.log_every == 0 or self.steps_done == self.total_steps):
-                self.log.say(json.dumps({k: rec[k] for k in rec if k not in ("event", "time", "phase_memory",
-                                                                            "phase_seconds")}))
-            if lora_before is not None:
-                self._lora_sanity(lora_before)
-                lora_before = None
-            if cfg.save_every and self.steps_done % cfg.save_every == 0 and self.steps_done < self.total_steps:
-                self.save_checkpoint()
-            if step == epoch_last[epoch]:
-                self._check_epoch(epoch)
+        with StepProfiler(cfg.profile_steps, self.run_dir / "profile", self.rank) as profiler:
+            for step, epoch, _, accum in self.steps:  # `step` is running; self.steps_done counts finished ones
+                t0 = time.time()
+                losses, metas = [], []
+                lr = engine.optimizer.param_groups[0]["lr"]
+                self.tracker.begin_step(step)
+                for planned in accum:
+                    with self.tracker.phase("data", step):
+                        tensors, meta = next(batches)
+                    if meta.sample_ids != planned.sample_ids:  # the loader must follow the plan, or the ledger lies
+                        raise RuntimeError(f"loader yielded {meta.sample_ids}, plan says {planned.sample_ids}")
+                    self.current_meta = meta
+                    metas.append(meta)
+                    tensors = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
+                    with self._sp_scope():  # backward too: checkpointing recomputes the attention there
+                        with self.tracker.phase("first_forward" if step == self.start_step and not losses else "forward", step):
+                            loss = self.forward_loss(tensors)
+                        with self.tracker.phase("backward", step):
+                            engine.backward(loss)
+                    with self.tracker.phase("optimizer_step", step):
+                        engine.step()  # DeepSpeed steps the optimizer (and clips) only at the accumulation boundary
+                    losses.append(self._sample_loss(loss))
+                step_mem = self.tracker.end_step()  # per-phase peaks of this step; the memory file written once
+                self.steps_done = step + 1
+                self.current_meta = None
+                if self.sp_rank == 0:  # one ledger writer per data-parallel slot
+                    append_ledger(self.run_dir, step, self.dp_rank, accum)
+                seconds = time.time() - t0
+                tokens = sum(sum(m.input_tokens) for m in metas)
+                grad_norm = engine.get_global_grad_norm()
+                rec = self.log.step(
+                    step=step, epoch=epoch, sample_ids=[s for m in metas for s in m.sample_ids],
+                    repeat=[r for m in metas for r in m.repeat], input_tokens=tokens,
+                    visual_tokens=sum(sum(m.visual_tokens) for m in metas),
+                    supervised_tokens=sum(sum(m.supervised_tokens) for m in metas),
+                    loss=sum(losses) / len(losses), lr=lr,
+                    grad_norm=float(grad_norm) if grad_norm is not None else None,
+                    tokens_per_s=round(tokens / seconds, 1), seconds=round(seconds, 4),
+                    peak_alloc_gib=max(v["alloc_gib"] for v in step_mem.values()),
+                    peak_reserved_gib=max(v["reserved_gib"] for v in step_mem.values()),
+                    memory_kind=next(iter(step_mem.values()))["kind"], phase_memory=step_mem,
+                    phase_seconds=self.tracker.last_step_seconds,
+                    data_wait_share=round(self.tracker.last_step_seconds.get("data", 0.0) / seconds, 4), phase="train")
+                self._last_losses.append(rec["loss"])
+                bar.update(1)
+                if self.rank == 0 and (step % cfg.log_every == 0 or self.steps_done == self.total_steps):
+                    self.log.say(json.dumps({k: rec[k] for k in rec if k not in ("event", "time", "phase_memory",
+                                                                                "phase_seconds")}))
+                if lora_before is not None:
+                    self._lora_sanity(lora_before)
+                    lora_before = None
+                if cfg.save_every and self.steps_done % cfg.save_every == 0 and self.steps_done < self.total_steps:
+                    self.save_checkpoint()
+                if step == epoch_last[epoch]:
+                    self._check_epoch(epoch)
+                profiler.step()
         bar.close()
         self.log.bar = None
 
