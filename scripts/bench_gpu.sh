@@ -13,7 +13,8 @@
 # bench goes on.
 #
 # What comes back (the device returns at most 8 files): env.txt, plan_predictions.txt, bench.log,
-# results.md, results.json and legs.tgz (every leg's log, run.json, plan.json, memory plan, step logs).
+# results.md, results.json, legs.tgz (every leg's log, run.json, plan.json, memory plan, step logs, profile op
+# tables) and a profiled leg's Chrome trace (LEG.trace.json.gz, under 15 MB).
 set -u
 OUT=${OUT:-/tmp/bench_gpu}
 BUDGET_S=${BUDGET_S:-480}
@@ -44,6 +45,9 @@ for run in "$WORK"/runs/*/; do
   name=$(basename "$run"); mkdir -p "$WORK/legs/$name"
   cp "$run"/run.json "$run"/plan.json "$run"/memory_plan.json "$run"/oom_rank*.json "$WORK/legs/$name/" 2>/dev/null
   cp -r "$run"/logs "$WORK/legs/$name/" 2>/dev/null
+  cp "$run"/profile/kernels_rank*.txt "$WORK/legs/$name/" 2>/dev/null   # --profile-steps legs: the op table
+  [ -f "$run"/profile/rank0.trace.json.gz ] && [ "$(stat -c %s "$run"/profile/rank0.trace.json.gz)" -lt 15000000 ] \
+    && cp "$run"/profile/rank0.trace.json.gz "$OUT/$name.trace.json.gz"   # the device returns files < 16 MiB
 done
 cp "$WORK"/bench/*.log "$WORK/legs/" 2>/dev/null
 tar czf "$OUT/legs.tgz" -C "$WORK" legs
