@@ -31,7 +31,7 @@ from pathlib import Path
 from prep import answers as answers_mod
 from prep.annotations import check_segments, load_annotations
 from prep.budget import PATCH_SIZE, FramePlan, VideoBudget, group_times, plan_frames
-from prep.decode import RESIZE, DecodeError, decode_windows, encode_windows
+from prep.decode import RESIZE, DecodeError, decode_windows, encode_windows, read_ahead
 from prep.decoders import BACKENDS, DEFAULT_BACKEND
 from prep.decoders import available as decoder_available
 from prep.gpu import BACKEND as GPU_BACKEND
@@ -45,7 +45,7 @@ from prep.probe import ProbeFailure, ProbeResult, probe_video
 from prep.shards import (INPUT_REJECTS, ShardPaths, ShardWriter, assemble, file_entry, group_videos, read_stats, shard_name,
                          write_stats)
 from prep.windows import LAST_WINDOW, MIN_LAST_S, Window, make_windows
-from prep.workers import Retry, distribute, heartbeat
+from prep.workers import Pool, Retry, distribute, heartbeat
 from schemas.annotations import FORMATS, Annotation, reject
 from schemas.answer import DESCRIPTION as ANSWER_FORMAT
 from schemas.answer import format_answer
@@ -452,31 +452,34 @@ def process_shard(task: ShardTask) -> dict:
 
 def warm_shard_worker(task: ShardTask) -> None:
     """What a process that forks shard workers loads once, so each fork starts warm (a Ray worker does it here;
-    a local worker process warms up on its first shard and keeps serving): tokenizer, decoder, resize, JPEG.
+    a local build warms its parent before the pool forks: warm_before_fork): tokenizer, decoder, resize, JPEG.
     Without it each Ray task's child paid ~1-2 CPU s of first calls (measured on the 2-core box)."""
     import numpy as np
 
     from prep.decode import encode_frame
 
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as in the build's own process (forks follow)
-    tokenizer = load_tokenizer(task.settings.tokenizer)
-    # first calls compile and initialize (the chat template, torch's resize kernels, the JPEG encoder, pyarrow's pandas import): once
-    # here instead of once in every forked child
-    tokenize_sample(tokenizer, query="warm-up", answer="[]", group_times_s=[0.0], tokens_per_group=4,
-                    layout=task.settings.prompt_layout)
-    encode_frame(np.zeros((36, 64, 3), np.uint8), 32, 48, task.settings.jpeg_quality)
-    import pyarrow as pa
-
-    from schemas.manifest import arrow_schema
-
-    pa.Table.from_pylist([], schema=arrow_schema(RejectRecord))  # its first call imports pandas (0.5 s)
-
+    warm_before_fork(task.settings.tokenizer, task.settings.prompt_layout)
+    encode_frame(np.zeros((36, 64, 3), np.uint8), 32, 48, task.settings.jpeg_quality)  # torch's resize kernels too
     if task.settings.decoder == "torchcodec":
         from torchcodec.decoders import VideoDecoder  # noqa: F401
     elif task.settings.decoder == "pyav":
         import av  # noqa: F401
     else:
         import decord  # noqa: F401
+
+
+def warm_before_fork(tokenizer: str | None, layout: str) -> None:
+    """First calls every shard worker makes, done once in the process its workers are forked from: loading the
+    tokenizer, compiling its chat template, pyarrow's first from_pylist (imports pandas, 0.5 s). Nothing here
+    starts a thread (torch's resize is warmed in the workers: its thread pool must not exist before a fork)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as in the build's own process (forks follow)
+    tok = load_tokenizer(tokenizer)
+    tokenize_sample(tok, query="warm-up", answer="[]", group_times_s=[0.0], tokens_per_group=4, layout=layout)
+    import pyarrow as pa
+
+    from schemas.manifest import arrow_schema
+
+    pa.Table.from_pylist([], schema=arrow_schema(RejectRecord))
 
 
 def _one_torch_thread() -> None:
@@ -540,8 +543,9 @@ def _process_file(jobs: list[VideoJob], s: WorkerSettings, tokenizer, pool: Exec
             decoded = gpu.decode_windows(probe.path, indices, rotation=probe.rotation, size=(probe.height, probe.width))
             windows = _timed(gpu.encode_windows(decoded, sizes, s.jpeg_quality), t, "gpu_s", beat=probe.path)
         else:
-            decoded = _timed(decode_windows(probe.path, indices, backend=s.decoder, num_threads=s.decode_threads,
-                                            rotation=probe.rotation), t, "decode_s", beat=probe.path)
+            decoded = read_ahead(_timed(decode_windows(probe.path, indices, backend=s.decoder,
+                                                       num_threads=s.decode_threads, rotation=probe.rotation),
+                                        t, "decode_s", beat=probe.path))
             windows = encode_windows(decoded, sizes, s.jpeg_quality, pool)
         t0 = time.perf_counter()
         try:
@@ -656,6 +660,13 @@ def split_long_videos(units: dict[str, list[VideoJob]], samples_per_shard: int) 
     return out
 
 
+def _decode_weight(task: ShardTask) -> float:
+    """What decoding a shard roughly costs (source seconds x pixels), to start the largest shards first; the
+    order of work only: each shard's content and name are fixed by the plan."""
+    return sum((w.window.end_s - w.window.start_s) * v.probe.width * v.probe.height
+               for v in task.videos for w in v.windows)
+
+
 def _estimate_bytes(job: VideoJob, budget: VideoBudget) -> int:
     """Rough tar bytes of a video (JPEG ~ 1/10 of raw RGB), for --shard-size-mb; a plan without tokens."""
     w, p = job.windows[0].window, job.probe
@@ -679,15 +690,19 @@ def _tokenizer_info(path: Path | None) -> TokenizerInfo:
 
 
 def worker_threads(workers: int) -> tuple[int, int]:
-    """(decode, encode) threads per worker process: the cores left to each worker, split in two halves.
+    """(decode, encode) threads per worker process, from the cores left to each worker.
 
-    On this project's 2-core bench machine one worker gets 1 decord thread + 1 encode thread: 1 decord thread
-    decodes as fast as 2 there and costs ~25% less CPU (BENCHMARKS.md, Prep), and the second core runs
-    resize + JPEG. With more workers than cores each still gets one of each (the encoder mostly waits).
+    resize + JPEG q95 costs ~1/4 of decoding a 30 fps H.264 source at 2 fps (measured on the 2-core box:
+    1.4 ms per 640x352 frame next to ~6 ms of decoding per sampled frame), so a quarter of the cores (at
+    least one thread) encode and the rest decode; the main thread writes the tar beside them. On the 2-core
+    bench machine one worker gets 1 decord thread + 1 encode thread: 1 decord thread decodes as fast as 2
+    there and costs ~25% less CPU (BENCHMARKS.md, Prep). With more workers than cores each still gets one of
+    each (the encoder mostly waits). Before: half and half, so at 4 workers on 16 cores 2 of 4 threads
+    encoded a quarter of the work.
     """
     per_worker = max(1, _cores() // workers)
-    decode = max(1, per_worker // 2)
-    return decode, max(1, per_worker - decode)
+    encode = max(1, per_worker // 4)
+    return max(1, per_worker - encode), encode
 
 
 def _cores() -> int:
@@ -716,14 +731,16 @@ def build(config: BuildConfig) -> dict:
             if lock.previous is not None:
                 print(f"prep build: took over {lock.path} from {lock.previous}: that build ended without releasing "
                       f"it (killed?); its unfinished shards are rebuilt", file=sys.stderr)
-        with io_stage("build", config.out):  # any OS error a named stage below did not catch
-            return _build_locked(config)
+        # any OS error a named stage below did not catch; the probes' processes build the shards too (one
+        # fork round), the pool stops them at the end
+        with io_stage("build", config.out), Pool() as pool:
+            return _build_locked(config, pool)
     finally:
         for lock in reversed(held):
             lock.release()
 
 
-def _build_locked(config: BuildConfig) -> dict:
+def _build_locked(config: BuildConfig, pool: Pool) -> dict:
     t_start = time.perf_counter()
     out = config.out
     part = config.part_of()
@@ -737,6 +754,7 @@ def _build_locked(config: BuildConfig) -> dict:
     tok_info = _tokenizer_info(config.tokenizer)  # fails fast on a tokenizer without the Qwen-VL tokens
 
     bound = input_bound(config.max_input_tokens, config.tokenizer)
+    warm_before_fork(str(config.tokenizer) if config.tokenizer else None, config.prompt_layout)  # pool forks next
     with io_stage("annotations", config.annotations):
         anns, input_rejects = load_annotations(config.annotations, config.videos, config.format,
                                                allow_outside=config.allow_outside_videos)
@@ -745,7 +763,7 @@ def _build_locked(config: BuildConfig) -> dict:
     paths = sorted({a.source_path for a in anns})
     videos_dir = config.videos.absolute()  # the same path on every node of a cluster (a shared filesystem)
     with io_stage("probe", config.videos):
-        probes = dict(zip(paths, _probe_all([str(videos_dir / p) for p in paths], config)))
+        probes = dict(zip(paths, _probe_all([str(videos_dir / p) for p in paths], config, pool)))
     probe_s = time.perf_counter() - t0
 
     jobs: list[VideoJob] = []
@@ -797,9 +815,10 @@ def _build_locked(config: BuildConfig) -> dict:
         raise BuildError(f"--assemble: {len(pending)} of {len(tasks)} shards are not complete: {names}"
                          f"{', ...' if len(pending) > 5 else ''}; finish their --part builds (or run this command "
                          f"without --assemble to build them here)")
+    pending.sort(key=_decode_weight, reverse=True)  # largest first: the last shards to start are the short ones
     t0 = time.perf_counter()
     with io_stage("shards", out):  # the workers name their own stage and file (write shard, sidecars, stats)
-        _run_shards(pending, config)
+        _run_shards(pending, config, pool)
     shards_s = time.perf_counter() - t0
     with io_stage("clean", out):  # temps of attempts that were killed and retried (a Ray task, a stalled worker)
         sweep_temps(out, None if part is None else tuple(t.paths.name + "." for t in mine))
@@ -904,7 +923,7 @@ def _stall_s(config: BuildConfig) -> float | None:
     return config.decode_timeout or None  # 0: no watchdog
 
 
-def _probe_all(paths: list[str], config: BuildConfig) -> list[ProbeResult | ProbeFailure]:
+def _probe_all(paths: list[str], config: BuildConfig, pool: Pool) -> list[ProbeResult | ProbeFailure]:
     """Probe every file in the workers; a probe that hangs becomes a decode_timeout failure of that file."""
 
     def on_stall(path: str, label: str, waited: float) -> ProbeFailure:
@@ -915,17 +934,18 @@ def _probe_all(paths: list[str], config: BuildConfig) -> list[ProbeResult | Prob
                                    f"{config.decode_timeout:g} s (its worker was killed and replaced)")
 
     out: list = [None] * len(paths)
-    # probes run here, also under --ray (where --workers may be unset: all of this machine's cores); under
-    # --device cuda --workers counts GPU processes, and the probe (decord, CPU) takes every core
-    processes = _cores() if config.device == "cuda" else config.workers or _cores()
+    # probes run here, also under --ray, in one single-threaded process per core (at least --workers): a
+    # probe decodes a frame or two plus the last GOP, and one process per worker left 15 of 16 cores idle
+    # at --workers 1 (the shard stage then gives each worker cores // workers threads)
+    processes = max(_cores(), config.workers or 0) if config.device != "cuda" else _cores()
     with closing(distribute(probe_one, paths, processes=processes, stall_s=_stall_s(config),
-                            on_stall=on_stall)) as results:
+                            on_stall=on_stall, pool=pool)) as results:
         for i, result in results:
             out[i] = result
     return out
 
 
-def _run_shards(tasks: list[ShardTask], config: BuildConfig) -> None:
+def _run_shards(tasks: list[ShardTask], config: BuildConfig, pool: Pool) -> None:
     """Process shards in the workers with a progress bar fed per video. A file whose decode stalls is
     dropped from its shard (decode_timeout rejects) and the shard is rebuilt without it."""
     from tqdm import tqdm
@@ -946,10 +966,11 @@ def _run_shards(tasks: list[ShardTask], config: BuildConfig) -> None:
         bar.update(videos)
 
     on_stall = ShardStall(decode_timeout=config.decode_timeout)
+    pool.keep(config.workers if config.ray is None else 0)  # the probe's extra processes exit while shards start
     try:
         if config.ray is None:
             results = distribute(process_shard, tasks, processes=config.workers, stall_s=_stall_s(config),
-                                 on_stall=on_stall, on_progress=update)
+                                 on_stall=on_stall, on_progress=update, pool=pool)
         else:  # a Ray task per shard; each runs the shard under the same watchdog on its node
             from prep import ray_distributor
 
@@ -1042,7 +1063,9 @@ def parser() -> argparse.ArgumentParser:
            "own JPEG bytes (prep/gpu.py). Experimental: not yet seen to run on a GPU (BENCHMARKS.md)")
     a("--samples-per-shard", type=int, default=256, help="target samples per shard (whole videos; a shard may hold fewer)")
     a("--shard-size-mb", type=float, default=1024.0, help="soft cap on estimated shard size in MiB (0: none)")
-    a("--workers", type=int, default=None, help="processes for probing and shards (default: all cores)")
+    a("--workers", type=int, default=None,
+      help="processes that build shards, each with cores // workers decode + encode threads (default: all cores); "
+           "probing runs in max(cores, workers) single-threaded processes, the same ones")
     a("--decode-timeout", type=float, default=DECODE_TIMEOUT_S,
       help="seconds a video's probe or decode may go without finishing a window; past it the video is rejected "
            "(decode_timeout), its worker process is killed and replaced, and the build goes on (0: no watchdog)")

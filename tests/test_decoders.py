@@ -16,7 +16,7 @@ from PIL import Image
 
 from prep.build import BuildConfig, build
 from prep.decode import decode_windows, resize_frame
-from prep.decoders import BACKENDS, available, open_reader
+from prep.decoders import BACKENDS, DecodeError, available, open_reader
 from prep.faults import FAULT_ENV
 from prep.probe import probe_video
 from schemas.build import BuildRecord
@@ -142,3 +142,32 @@ def test_a_build_with_each_backend_matches_the_decord_build_and_its_watchdog_hol
         assert max(_mean_diff(a, b) for a, b in zip(ref_frames[sid], frames)) <= MEAN_TOL, sid
     rejects = [(r.video_id, r.reason) for r in read_records(out / "rejects.parquet", RejectRecord)]
     assert rejects == ([("vid_b", "decode_timeout")] * 3 if hang else [])
+
+
+def test_read_ahead_keeps_order_raises_after_the_items_before_and_closes_its_source_when_left():
+    import threading
+
+    from prep.decode import read_ahead
+
+    def windows(n, fail_at=None, closed=None):
+        try:
+            for i in range(n):
+                if i == fail_at:
+                    raise DecodeError(f"window {i}")
+                yield i, threading.current_thread().name
+        finally:
+            if closed is not None:
+                closed.append(True)
+
+    got = list(read_ahead(windows(5)))
+    assert [i for i, _ in got] == [0, 1, 2, 3, 4] and {name for _, name in got} == {"decode"}
+    seen = []
+    with pytest.raises(DecodeError, match="window 2"):
+        for i, _ in read_ahead(windows(5, fail_at=2)):
+            seen.append(i)
+    assert seen == [0, 1]
+    closed = []
+    ahead = read_ahead(windows(100, closed=closed))
+    assert next(ahead)[0] == 0
+    ahead.close()  # the caller leaves early: the producer stops and the source's finally runs
+    assert closed == [True]

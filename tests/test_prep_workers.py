@@ -6,7 +6,7 @@ from contextlib import closing
 
 import pytest
 
-from prep.workers import RemoteTraceback, Retry, WorkerDied, distribute, heartbeat
+from prep.workers import Pool, RemoteTraceback, Retry, WorkerDied, distribute, heartbeat
 
 
 def children() -> set[int]:
@@ -89,4 +89,25 @@ def test_a_worker_that_dies_is_an_error_naming_what_it_worked_on():
     with pytest.raises(WorkerDied, match=r"killed by SIGKILL\) while working on video 7 \(task 0\)"):
         with closing(distribute(die, [7], processes=1, stall_s=60)) as results:
             list(results)
+    assert not children()
+
+
+def pid_of(x):
+    heartbeat(f"item {x}")
+    return os.getpid()
+
+
+def test_a_pool_serves_two_calls_with_the_same_processes_and_replaces_a_stalled_one():
+    with Pool() as pool:
+        with closing(distribute(pid_of, list(range(4)), processes=2, pool=pool)) as results:
+            first = set(dict(results).values())
+        assert len(first) == 2 and children() == first  # still alive between the calls
+        with closing(distribute(square, [5, 6], processes=2, pool=pool)) as results:
+            assert {v for v, _ in dict(results).values()} == {25, 36}
+        with closing(distribute(hang_on, [(1, True), (2, False)], processes=1, stall_s=0.5,
+                                on_stall=lambda task, label, waited: "gave up", pool=pool)) as results:
+            assert dict(results) == {0: "gave up", 1: 2}
+        pool.keep(1)
+        with closing(distribute(pid_of, [7], processes=2, pool=pool)) as results:
+            assert set(dict(results).values()) <= children()
     assert not children()

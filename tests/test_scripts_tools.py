@@ -7,7 +7,7 @@ import zipfile
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-from scripts.bench_prep import write_annotations, write_markdown
+from scripts.bench_prep import _rounds, ratio_lines, write_annotations, write_markdown
 from scripts.build_wheelhouse import applies, pin, target_env, wheel_requirements
 
 
@@ -28,6 +28,27 @@ def test_bench_annotates_every_video(tmp_path):
         (tmp_path / name).write_bytes(b"")
     assert write_annotations(tmp_path, tmp_path / "ann.jsonl") == 2
     assert '"video": "a/x.mp4"' in (tmp_path / "ann.jsonl").read_text()
+
+
+def test_bench_warm_up_choice_and_every_ratio_at_every_worker_count():
+    calls = []
+    legs = {leg: (lambda w, leg=leg: calls.append((leg, w)) or 10) for leg in ("build", "fetch", "floor")}
+    for warm_up, untimed in (("each", 6), ("once", 3), ("none", 0)):
+        calls.clear()
+        runs = {leg: {1: [], 4: []} for leg in legs}
+        cpu = {leg: {1: [], 4: []} for leg in legs}
+        _rounds(legs, list(legs), dict.fromkeys(legs, 10), [1, 4], 2, runs, cpu, warm_up)
+        assert len(calls) == untimed + 12 and all(len(r) == 2 for by_w in runs.values() for r in by_w.values())
+        if warm_up == "once":
+            assert {w for _, w in calls[:3]} == {4}
+    res = {"median_s": {"build": {1: 8.0, 16: 2.0}},
+           "ratios": {"build_over_fetch": {1: 0.5, 16: 0.25}, "fetch_over_build": {1: 2.0, 16: 4.0},
+                      "build_over_floor": {1: 1.1, 16: 1.25}, "cpu_build_over_floor": {1: 1.2, 16: 1.3},
+                      "cpu_fetch_over_build": {1: 2.5, 16: 4.5}},
+           "realtime": {"build": {1: {"machine": 120.0, "per_core": 40.0}, 16: {"machine": 480.0, "per_core": 39.0}}}}
+    lines = ratio_lines(res)
+    assert lines[2] == "| 1 | 0.50x | 2.00x | 1.10x | 1.20x | 2.50x | 120.0 | 40.0 |"
+    assert lines[3].startswith("| 16 | 0.25x | 4.00x | 1.25x | 1.30x |") and len(lines) == 4
 
 
 def test_wheelhouse_markers_follow_the_target_python(tmp_path):
