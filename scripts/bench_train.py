@@ -64,6 +64,8 @@ LEGS: dict[str, tuple[str, ...]] = {
     "zero2-liger": ("--zero-stage", "2", "--gradient-checkpointing", "all", "--loss-impl", "liger"),
     "zero2-liger-kernels": ("--zero-stage", "2", "--gradient-checkpointing", "all", "--liger-kernels"),
     "auto-liger-kernels": ("--liger-kernels",),
+    "auto-compile": ("--compile",),
+    "zero2-compile": ("--zero-stage", "2", "--gradient-checkpointing", "all", "--compile"),
     # two profiled steps after the first (RUN/profile/kernels_rank0.txt: where the step goes); not for timing
     "auto-profile": ("--profile-steps", "2"),
     "zero2-vision-in-forward": ("--zero-stage", "2", "--gradient-checkpointing", "all", "--no-vision-no-grad",
@@ -113,7 +115,8 @@ def issue9_matrix() -> list[Leg]:
                                      "zero3-big-buckets", "zero3-offload-opt")]
     legs += [Leg(config="auto", size=q4), Leg(config="anchor", cap_gib=12), Leg(config="zero2-nf4", cap_gib=12),
              Leg(config="linear-torch", size=q4)]
-    legs += [Leg(config=c) for c in ("auto-profile", "auto-liger-kernels", "zero2-liger-kernels")]
+    legs += [Leg(config=c) for c in ("auto-profile", "auto-liger-kernels", "zero2-liger-kernels", "auto-compile",
+                                     "zero2-compile")]
     return legs
 
 

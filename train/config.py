@@ -95,6 +95,7 @@ class TrainConfig:
     quantize_base: str | None = None  # nf4 | int8: the frozen base in bitsandbytes (CUDA, LoRA)
     linear_attention: str = "auto"  # Qwen3.5: auto | fla | torch (train/kernels.py)
     liger_kernels: bool = False  # liger's RMSNorm / rotary / SwiGLU kernels (CUDA; train/kernels.py)
+    compile: bool = False  # torch.compile each decoder layer (ZeRO <= 2; train/kernels.py)
     profile_steps: int = 0  # torch.profiler over this many steps after the first (train/profile.py)
     save_every: int = 0  # checkpoint every N optimizer steps (0: never; the final weights are always saved)
     resume: Path | None = None  # RUN directory to resume from (its latest checkpoint)
@@ -168,6 +169,8 @@ class TrainConfig:
             p.append(f"--zero-stage {self.zero_stage}: choose one of {ZERO_STAGES}")
         if self.offload_params and self.zero("zero_stage") != 3 and self.deepspeed is None:
             p.append("--offload-params needs ZeRO stage 3")
+        if self.compile and self.liger_kernels:
+            p.append("--compile and --liger-kernels both fuse the same elementwise work: choose one")
         if self.profile_steps < 0:
             p.append(f"--profile-steps {self.profile_steps}: give a number of steps >= 0")
         if self.offload_optimizer and self.zero("zero_stage") == 0 and self.deepspeed is None:
@@ -401,6 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "the device first), torch (plain fallback), auto (fla when importable and correct)")
     g.add_argument("--liger-kernels", action="store_true",
                    help="liger-kernel's fused RMSNorm, rotary embedding and SwiGLU in the language model (CUDA)")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each language-model decoder layer (fuses the elementwise work between the "
+                   "matmuls; the first step compiles; ZeRO <= 2)")
     g.add_argument("--mem-cap-gib", type=float, default=None,
                    help="CUDA: cap this process's memory at this many GiB (torch memory fraction), e.g. to act "
                    "as a 12 GiB card; the planner plans for it")

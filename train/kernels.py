@@ -161,28 +161,50 @@ def liger_kernels_problem(device_type: str) -> str | None:
 def apply_liger_kernels(model, family: str) -> list[str]:
     """Swap the language model's RMSNorm, rotary embedding and SwiGLU MLP forward for liger's fused kernels, in
     place, before LoRA wraps the projections (the MLP keeps its Linear submodules, so adapters still apply).
-    Returns what was swapped. Rotary: Qwen3-VL only (liger has none for Qwen3.5's hybrid layers)."""
+    Returns what was swapped. Qwen3-VL is patched module by module from liger's building blocks (liger 0.8.5's
+    own Qwen3-VL entry point fails to import its output classes); Qwen3.5 through liger's entry point (no
+    rotary kernel for its hybrid layers)."""
     import types
 
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm
     from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if family == "qwen3_vl":
-        from liger_kernel.transformers import apply_liger_kernel_to_qwen3_vl
+    if family == "qwen3_5":
+        try:
+            from liger_kernel.transformers import apply_liger_kernel_to_qwen3_5
 
-        apply_liger_kernel_to_qwen3_vl(rope=True, rms_norm=True, swiglu=False, cross_entropy=False,
-                                       fused_linear_cross_entropy=False, model=base)
-        swapped = ["rms_norm", "rope"]
-    elif family == "qwen3_5":
-        from liger_kernel.transformers import apply_liger_kernel_to_qwen3_5
-
-        apply_liger_kernel_to_qwen3_5(rope=False, rms_norm=True, swiglu=True, cross_entropy=False,
-                                      fused_linear_cross_entropy=False, model=base)
+            apply_liger_kernel_to_qwen3_5(rope=False, rms_norm=True, swiglu=True, cross_entropy=False,
+                                          fused_linear_cross_entropy=False, model=base)
+        except ImportError as e:
+            raise KernelError(f"--liger-kernels: liger's Qwen3.5 patches do not import here: {e}") from None
         return ["rms_norm", "swiglu"]
-    else:
+    if family != "qwen3_vl":
         raise KernelError(f"--liger-kernels: no kernels for model family {family!r}")
-    mlps = [m for name, m in base.named_modules() if name.endswith(".mlp") and "visual" not in name
-            and all(hasattr(m, k) for k in ("gate_proj", "up_proj", "down_proj"))]
-    for mlp in mlps:  # liger's Qwen3-VL entry point leaves the text MLPs alone; their forward is SwiGLU
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+    from transformers.models.qwen3_vl import modeling_qwen3_vl
+
+    text = [(n, m) for n, m in base.named_modules() if "visual" not in n]
+    norms = [m for _, m in text if type(m).__name__ == "Qwen3VLTextRMSNorm"]
+    for norm in norms:  # x * rsqrt(mean(x^2) + eps) in fp32, times the weight in the input dtype: liger's "llama"
+        norm.offset, norm.casting_mode, norm.in_place, norm.row_mode = 0.0, "llama", True, None
+        norm.forward = types.MethodType(LigerRMSNorm.forward, norm)
+    mlps = [m for n, m in text if n.endswith(".mlp") and all(hasattr(m, k) for k in ("gate_proj", "up_proj", "down_proj"))]
+    for mlp in mlps:  # down(silu(gate(x)) * up(x)) with silu * up fused
         mlp.forward = types.MethodType(LigerSwiGLUMLP.forward, mlp)
-    return swapped + (["swiglu"] if mlps else [])
+    modeling_qwen3_vl.apply_rotary_pos_emb = liger_rotary_pos_emb  # the text attention's rotary (process-wide)
+    return [f"rms_norm x{len(norms)}", f"swiglu x{len(mlps)}", "rope"]
+
+
+def compile_layers(model, backend: str = "inductor") -> int:
+    """`--compile`: torch.compile each language-model decoder layer in place (regional compilation: the
+    layers share one compiled graph, plus one for the first layer, whose input needs no gradient), after LoRA
+    and checkpointing are set up so both are inside the graph. Fuses the elementwise work between the matmuls
+    (norms, rotary, SwiGLU, LoRA scaling, residuals) and cuts kernel launches. Returns the layers compiled."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    classes = {n for m in base.modules() for n in (getattr(m, "_no_split_modules", None) or ())}
+    layers = [m for n, m in base.named_modules() if type(m).__name__ in classes and "visual" not in n
+              and "Vision" not in type(m).__name__]
+    for layer in layers:
+        layer.compile(backend=backend)
+    return len(layers)

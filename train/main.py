@@ -77,6 +77,7 @@ from train.kernels import (
     KernelError,
     apply_liger_kernels,
     attention_problem,
+    compile_layers,
     liger_kernels_problem,
     route_linear_attention,
 )
@@ -218,6 +219,9 @@ class Recipe:
         # them): one stage for the load, the engine, the saver and run.json.
         self.cfg = cfg = resolved(cfg, self.ds_config)
         self.zero_stage = cfg.zero_stage
+        if cfg.compile and self.zero_stage == 3:
+            raise ConfigError("--compile with ZeRO-3: DeepSpeed's parameter hooks run inside each layer's call and "
+                              "would be traced; use --zero-stage 2 (or 0/1)")
         self.loss_spec = self._loss_spec()
         self.log.event("levers", attention=cfg.attention, gradient_checkpointing=cfg.gradient_checkpointing,
                        offload_activations=cfg.offload_activations, **dataclasses.asdict(self.loss_spec),
@@ -237,6 +241,9 @@ class Recipe:
 
         # 6. What trains: LoRA adapters (default) or every language-model weight; vision frozen unless asked.
         self.model = self._setup_trainable(self.model)
+
+        if cfg.compile:  # after LoRA and checkpointing, so both are inside the compiled layers
+            self.log.event("compile", layers=compile_layers(self.model))
 
         # 7. Engine: DeepSpeed builds the optimizer from its config; the scheduler is ours unless the config has one.
         self.engine = self._setup_engine()
