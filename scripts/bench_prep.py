@@ -330,7 +330,8 @@ def _results(out, runs, cpu, legs, workers, union, records, frames, expect, n_vi
     # where the last build run spent its time, from its own per-shard stats (summed over worker processes)
     stats = [json.loads(p.read_text()) for p in out.glob("*.stats.json")]
     breakdown = {k: round(sum(s.get(k, 0.0) for s in stats), 3) for k in ("decode_s", "encode_s", "pipeline_s", "plan_s")}
-    breakdown["probe_s"] = BuildRecord.read(out).summary.timings_s.probe
+    timings = BuildRecord.read(out).summary.timings_s  # wall seconds of the last build's stages
+    breakdown.update(probe_s=timings.probe, shards_wall_s=timings.shards, total_wall_s=timings.total)
     med = {leg: {w: statistics.median(r) for w, r in by_w.items()} for leg, by_w in runs.items()}
     med_cpu = {leg: {w: statistics.median(r) for w, r in by_w.items()} for leg, by_w in cpu.items()}
     source_s = sum(_duration(p) for p in union)
@@ -411,13 +412,21 @@ def table_lines(res: dict) -> list[str]:
 def ratio_lines(res: dict) -> list[str]:
     """Issue 10 point 5 per worker count: build / fetch, build / floor (wall and CPU), realtime of the build."""
     r = res["ratios"]
+
+    def busy(leg: str, w) -> str:  # CPU seconds per wall second: how many cores the leg kept busy
+        cpu = res.get("median_cpu_s", {}).get(leg, {}).get(w)
+        wall = res["median_s"].get(leg, {}).get(w)
+        return f"{cpu / wall:.1f}" if cpu and wall else "-"
+
     lines = ["| workers | build / fetch | fetch / build | build / floor | CPU build / floor | CPU fetch / build | "
-             "build x realtime per machine | build x realtime per core |", "|---|---|---|---|---|---|---|---|"]
+             "build x realtime per machine | build x realtime per core | cores busy build / floor |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for w in res["median_s"]["build"]:
         rt = res["realtime"]["build"][w]
         lines.append(f"| {w} | {r['build_over_fetch'][w]:.2f}x | {r['fetch_over_build'][w]:.2f}x | "
                      f"{r['build_over_floor'][w]:.2f}x | {r['cpu_build_over_floor'][w]:.2f}x | "
-                     f"{r['cpu_fetch_over_build'][w]:.2f}x | {rt['machine']:.1f} | {rt['per_core']:.1f} |")
+                     f"{r['cpu_fetch_over_build'][w]:.2f}x | {rt['machine']:.1f} | {rt['per_core']:.1f} | "
+                     f"{busy('build', w)} / {busy('floor', w)} |")
     return lines
 
 
@@ -469,7 +478,8 @@ def markdown_section(res: dict, command: str, videos_label: str) -> str:
     lines.append(f"Inside the last build run (seconds summed over its workers, from shard stats.json): decode "
                  f"{b['decode_s']:.2f} (decoder thread), resize + JPEG {b['encode_s']:.2f} (encode threads, overlapping "
                  f"the decoder), decode + encode + write wall {b['pipeline_s']:.2f}, plan + tokenize {b['plan_s']:.2f}; "
-                 f"probe stage {b['probe_s']:.2f}. The decode part is the floor's work; resize + JPEG is what the build adds.")
+                 f"probe stage {b['probe_s']:.2f} wall (shards stage {b['shards_wall_s']:.2f}, whole build "
+                 f"{b['total_wall_s']:.2f} wall). The decode part is the floor's work; resize + JPEG is what the build adds.")
     lines += ["", "Targets (issue 10; the 16-core ones are judged on the 16-core host):"]
     lines += [f"- {name}: {'met' if ok else 'NOT met'}" for name, ok in res["targets_met"].items()]
     lines += [

@@ -41,14 +41,16 @@ def test_bench_warm_up_choice_and_every_ratio_at_every_worker_count():
         assert len(calls) == untimed + 12 and all(len(r) == 2 for by_w in runs.values() for r in by_w.values())
         if warm_up == "once":
             assert {w for _, w in calls[:3]} == {4}
-    res = {"median_s": {"build": {1: 8.0, 16: 2.0}},
+    res = {"median_s": {"build": {1: 8.0, 16: 2.0}, "floor": {16: 1.5}},
+           "median_cpu_s": {"build": {16: 24.0}, "floor": {16: 21.0}},
            "ratios": {"build_over_fetch": {1: 0.5, 16: 0.25}, "fetch_over_build": {1: 2.0, 16: 4.0},
                       "build_over_floor": {1: 1.1, 16: 1.25}, "cpu_build_over_floor": {1: 1.2, 16: 1.3},
                       "cpu_fetch_over_build": {1: 2.5, 16: 4.5}},
            "realtime": {"build": {1: {"machine": 120.0, "per_core": 40.0}, 16: {"machine": 480.0, "per_core": 39.0}}}}
     lines = ratio_lines(res)
-    assert lines[2] == "| 1 | 0.50x | 2.00x | 1.10x | 1.20x | 2.50x | 120.0 | 40.0 |"
-    assert lines[3].startswith("| 16 | 0.25x | 4.00x | 1.25x | 1.30x |") and len(lines) == 4
+    assert lines[2] == "| 1 | 0.50x | 2.00x | 1.10x | 1.20x | 2.50x | 120.0 | 40.0 | - / - |"
+    assert lines[3].startswith("| 16 | 0.25x | 4.00x | 1.25x | 1.30x |") and lines[3].endswith("| 12.0 / 14.0 |")
+    assert len(lines) == 4
 
 
 def test_wheelhouse_markers_follow_the_target_python(tmp_path):
