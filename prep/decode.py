@@ -9,8 +9,8 @@ Three small stages, composed by the build per video file:
                     main thread's part of a 2-window 640x360 shard is ~0.1 s next to ~0.36 s of decoding)
     encode_windows  resize + JPEG of each window's frames in a thread pool, up to `ahead` windows behind the
                     decoder; results come out in window order, so the tar bytes do not depend on threads.
-                    Raw RGB of at most ahead + 3 windows is alive (4 by default: encoding, queued, decoding,
-                    and the decoder's previous window), whatever the video's length
+                    Raw RGB of at most ahead + 3 windows is alive (5 by default: ahead + 1 waiting for or in
+                    the encoder, one queued by read_ahead, one being decoded), whatever the video's length
 The decoders (C/C++ calls), torch's resize and PIL's JPEG encoder all release the GIL, so on a worker with
 two cores the decoder and the encoder run at the same time; decoding one window at a time is what lets the
 encoder start before the whole video is decoded.
@@ -145,7 +145,7 @@ def _encode_timed(frame: np.ndarray, height: int, width: int, quality: int) -> t
 
 
 def encode_windows(decoded: Iterable[tuple[int, list[np.ndarray]]], sizes: Sequence[tuple[int, int]], quality: int,
-                   pool: Executor, ahead: int = 1) -> Iterator[tuple[int, list[bytes], float]]:
+                   pool: Executor, ahead: int = 2) -> Iterator[tuple[int, list[bytes], float]]:
     """(pos, frames) -> (pos, JPEG bytes, seconds spent encoding them), in the input order.
 
     sizes[pos] is the (height, width) of window pos. While a window is encoded in the pool, the next ones
