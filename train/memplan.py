@@ -12,8 +12,10 @@ micro-batch (tokens, supervised positions, vision patches), in bytes:
 - trainable: bf16 parameters and gradients, fp32 gradient partition, fp32 master + Adam moments (12 bytes)
   partitioned over ranks by the ZeRO stage (optimizer from stage 1, gradients from 2, parameters at 3) or on
   the host with optimizer offload.
-- boundaries: the input of every checkpointed decoder layer ([tokens, hidden] in bf16), on the host with
-  --offload-activations; kept: every activation a non-checkpointed layer saves for backward.
+- boundaries: the input of every checkpointed decoder layer ([tokens, hidden] in bf16), counted on the device
+  also with --offload-activations: on one H200 (session 5) its 128-frame 12 GiB leg ran out of memory in the
+  first forward with the device holding what the boundaries would (~184 KB per token), so the host copy does
+  not yet free them and auto does not offer it; kept: every activation a non-checkpointed layer saves for backward.
 - layer activations (what one decoder layer saves for backward, per token) are enumerated tensor by tensor
   in `layer_bytes_per_token`: norms in fp32, the projections' shared input, one dropout output + mask per
   LoRA-targeted projection (lora_dropout > 0), q/k norms in fp32 (rotary keeps only cos/sin), sdpa's q, k, v and
@@ -199,7 +201,7 @@ def predict(shape: ModelShape, work: Workload, setup: Setup, *, world: int = 1, 
     ckpt = set(spec.layers(len(shape.layers)))
     per_layer = [layer_bytes_per_token(layer, shape, lora_dropout=setup.lora_dropout and setup.finetune == "lora",
                                        act=act) for layer in shape.layers]
-    boundaries = 0 if setup.offload_activations else len(ckpt) * T * shape.hidden * act
+    boundaries = len(ckpt) * T * shape.hidden * act  # also with offload_activations: measured (module docstring)
     kept = sum(b * T for i, b in enumerate(per_layer) if i not in ckpt)
     grad = act * shape.intermediate * T  # the largest gradient alive beside the layer's saved tensors
     working = (max(per_layer[i] for i in ckpt) * T if ckpt else 0) + grad
@@ -238,11 +240,8 @@ def candidates(*, world: int, loss: str = "chunked", finetune: str = "lora", lor
                   vision_chunk_frames=vision_chunk_frames)
     order: list[dict] = [dict(zero_stage=2, checkpointing="none"),
                          dict(zero_stage=2, checkpointing="all"), dict(zero_stage=3, checkpointing="all"),
-                         dict(zero_stage=2, checkpointing="all", offload_activations=True),
-                         dict(zero_stage=3, checkpointing="all", offload_activations=True),
-                         dict(zero_stage=3, checkpointing="all", offload_activations=True, offload_optimizer=True),
-                         dict(zero_stage=3, checkpointing="all", offload_activations=True, offload_optimizer=True,
-                              offload_params=True)]
+                         dict(zero_stage=3, checkpointing="all", offload_optimizer=True),
+                         dict(zero_stage=3, checkpointing="all", offload_optimizer=True, offload_params=True)]
     out = []
     for o in order:
         o = dict(o)
