@@ -94,7 +94,7 @@ class TrainConfig:
     sequence_parallel: int = 1  # ranks one sample's tokens are split over (train/sequence_parallel.py)
     quantize_base: str | None = None  # nf4 | int8: the frozen base in bitsandbytes (CUDA, LoRA)
     linear_attention: str = "auto"  # Qwen3.5: auto | fla | torch (train/kernels.py)
-    liger_kernels: bool = False  # liger's RMSNorm / rotary / SwiGLU kernels (CUDA; train/kernels.py)
+    liger_kernels: bool | None = None  # liger's RMSNorm / rotary / SwiGLU (None: on for Qwen3-VL on CUDA where it imports)
     compile: bool = False  # torch.compile each decoder layer (ZeRO <= 2; train/kernels.py)
     profile_steps: int = 0  # torch.profiler over this many steps after the first (train/profile.py)
     save_every: int = 0  # checkpoint every N optimizer steps (0: never; the final weights are always saved)
@@ -169,7 +169,7 @@ class TrainConfig:
             p.append(f"--zero-stage {self.zero_stage}: choose one of {ZERO_STAGES}")
         if self.offload_params and self.zero("zero_stage") != 3 and self.deepspeed is None:
             p.append("--offload-params needs ZeRO stage 3")
-        if self.compile and self.liger_kernels:
+        if self.compile and self.liger_kernels is True:
             p.append("--compile and --liger-kernels both fuse the same elementwise work: choose one")
         if self.profile_steps < 0:
             p.append(f"--profile-steps {self.profile_steps}: give a number of steps >= 0")
@@ -402,8 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--linear-attention", choices=("auto", "fla", "torch"), default=d.linear_attention,
                    help="Qwen3.5's gated-delta-rule layers: fla (flash-linear-attention, checked against torch on "
                    "the device first), torch (plain fallback), auto (fla when importable and correct)")
-    g.add_argument("--liger-kernels", action="store_true",
-                   help="liger-kernel's fused RMSNorm, rotary embedding and SwiGLU in the language model (CUDA)")
+    g.add_argument("--liger-kernels", action=argparse.BooleanOptionalAction, default=None,
+                   help="liger-kernel's fused RMSNorm, rotary embedding and SwiGLU in the language model (CUDA). "
+                   "Default: on for Qwen3-VL on CUDA where liger-kernel imports (and not with --compile), else off")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each language-model decoder layer (fuses the elementwise work between the "
                    "matmuls; the first step compiles; ZeRO <= 2)")
