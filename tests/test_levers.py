@@ -441,3 +441,27 @@ def test_compiled_decoder_layers_give_the_eager_loss_and_gradients(tiny_cache, b
     _assert_same(_loss_and_grads(model, batch, spec), ref, rel=1e-4)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the layers really ran compiled
     torch._dynamo.reset()
+
+
+def test_offloaded_checkpoints_save_host_copies_not_the_layer_inputs(tiny_cache, built_shards):
+    """--offload-activations: among every tensor autograd keeps for backward (seen through saved-tensor hooks
+    around the forward), none shares storage with a decoder layer's input; each checkpointed layer keeps its
+    own host copy instead (on CPU the copy is forced, so the check means the same as on a GPU)."""
+    from train.activations import Checkpointing, apply_checkpointing, decoder_layers
+
+    model_dir = tiny_cache / "tiny_qwen3_vl"
+    batch = _batch(model_dir, built_shards, TWO)
+    model = _lora(model_dir, checkpointing=False)
+    layers = decoder_layers(model.get_base_model())
+    apply_checkpointing(model.get_base_model(), Checkpointing.parse("all"), offload=True)
+    layer_inputs: set[int] = set()
+    for layer in layers:
+        layer.register_forward_pre_hook(lambda m, args: layer_inputs.add(args[0].untyped_storage().data_ptr()))
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = causal_lm_loss(model, batch, LossSpec(impl="chunked", vision_no_grad=True))
+    assert len(layer_inputs) == len(layers) == 2
+    assert not [t.shape for t in saved if t.untyped_storage().data_ptr() in layer_inputs]
+    hidden = [t for t in saved if t.dim() == 3 and t.shape[-1] == model.config.text_config.hidden_size]
+    assert len(hidden) >= len(layers)  # the host copies (and the final norm's input)
+    loss.backward()  # and backward still runs from them

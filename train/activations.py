@@ -106,7 +106,7 @@ def checkpoint_from_host(function, *args, **kwargs):
     if not args or not isinstance(args[0], torch.Tensor):
         return checkpoint(function, *args, use_reentrant=False, **kwargs)
     device = args[0].device
-    host = args[0].to("cpu")  # tracked by autograd; its backward (a copy back) keeps no tensor
+    host = args[0].to("cpu", copy=True)  # tracked by autograd; its backward (a copy back) keeps no tensor
 
     def on_device(host_states, *rest, **kw):
         return function(host_states.to(device, non_blocking=True), *rest, **kw)

@@ -14,8 +14,9 @@ micro-batch (tokens, supervised positions, vision patches), in bytes:
   the host with optimizer offload.
 - boundaries: the input of every checkpointed decoder layer ([tokens, hidden] in bf16), counted on the device
   also with --offload-activations: on one H200 (session 5) its 128-frame 12 GiB leg ran out of memory in the
-  first forward with the device holding what the boundaries would (~184 KB per token), so the host copy does
-  not yet free them and auto does not offer it; kept: every activation a non-checkpointed layer saves for backward.
+  first forward holding ~2.3 GB more than predicted, about what the boundaries take, while on CPU no layer
+  input is saved (tests/test_levers.py); until a GPU shows the saving, the planner does not count it and
+  auto does not offer the flag; kept: every activation a non-checkpointed layer saves for backward.
 - layer activations (what one decoder layer saves for backward, per token) are enumerated tensor by tensor
   in `layer_bytes_per_token`: norms in fp32, the projections' shared input, one dropout output + mask per
   LoRA-targeted projection (lora_dropout > 0), q/k norms in fp32 (rotary keeps only cos/sin), sdpa's q, k, v and
