@@ -55,6 +55,9 @@ MEASURED = [
     # session 5, one H200 (BENCHMARKS.md "One H200, session 5")
     ("qwen3_vl_4b", 512, 52695, 13, dict(zero_stage=2, checkpointing="all-but-10"), 1, 122.07, None, "H200 session 5"),
     ("qwen3_vl_4b", 64, 6617, 13, dict(zero_stage=2, quantize_base="nf4"), 1, 5.71, None, "H200 session 5"),
+    ("qwen3_vl_4b", 64, 6617, 13, dict(zero_stage=2, checkpointing="none"), 1, 54.61, None, "H200 session 5"),
+    ("qwen3_vl_4b", 64, 6617, 13, dict(zero_stage=2, checkpointing="none", fused_kernels=True), 1, 44.74, None,
+     "H200 session 5"),  # --liger-kernels (the default for Qwen3-VL on CUDA)
 ]
 
 

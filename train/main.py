@@ -207,6 +207,7 @@ class Recipe:
 
         # 2b. The levers that depend on the device and the family, checked before anything heavy.
         self._check_levers()
+        self.cfg = cfg = dataclasses.replace(cfg, liger_kernels=self.use_liger_kernels)  # decided: the planner and run.json see it
 
         # 3. Pre-flight every planned sample from the manifest (the loader checks each one again as it reads).
         preflight_records([self.store.record(s) for s in planned], spec=self.vision)
@@ -224,7 +225,7 @@ class Recipe:
                               "would be traced; use --zero-stage 2 (or 0/1)")
         self.loss_spec = self._loss_spec()
         self.log.event("levers", attention=cfg.attention, gradient_checkpointing=cfg.gradient_checkpointing,
-                       liger_kernels=self.use_liger_kernels, compile=cfg.compile,
+                       liger_kernels=cfg.liger_kernels, compile=cfg.compile,
                        offload_activations=cfg.offload_activations, **dataclasses.asdict(self.loss_spec),
                        pack=cfg.pack, quantize_base=cfg.quantize_base)
         if self.rank == 0:
@@ -237,7 +238,7 @@ class Recipe:
         # 5. Load (partitioned at load under ZeRO-3) and verify against the checkpoint files.
         self.model = self._load_model()
 
-        if self.use_liger_kernels:  # before LoRA wraps the projections the swapped MLP forward calls
+        if cfg.liger_kernels:  # before LoRA wraps the projections the swapped MLP forward calls
             self.log.event("liger_kernels", swapped=apply_liger_kernels(self.model, self.family))
 
         # 6. What trains: LoRA adapters (default) or every language-model weight; vision frozen unless asked.
