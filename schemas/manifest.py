@@ -7,6 +7,7 @@ turns rows back into the same dataclasses. The schema version lives in the parqu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import secrets
 import typing
@@ -177,9 +178,10 @@ def _arrow_type(hint: Any) -> pa.DataType:
     raise TypeError(f"no arrow type for {hint!r}")
 
 
-def _fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
+@functools.cache  # per class: get_type_hints evaluates every annotation again (2 ms a sample in the loader)
+def _fields(cls: type) -> tuple[tuple[dataclasses.Field, Any], ...]:
     hints = typing.get_type_hints(cls)
-    return [(f, hints[f.name]) for f in dataclasses.fields(cls)]
+    return tuple((f, hints[f.name]) for f in dataclasses.fields(cls))
 
 
 def arrow_schema(cls: type) -> pa.Schema:

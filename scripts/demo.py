@@ -65,18 +65,21 @@ def start(stage: str, module: str, args: list[str], logs: Path, env: dict) -> St
 
 
 def finish(*stages: Stage) -> None:
-    """Wait for every stage, in order, printing its line; a failure stops the others and the demo with the
-    failed stage's log tail."""
-    for i, st in enumerate(stages):
-        code = st.proc.wait()
-        if code:
-            for other in stages[i + 1:]:
-                other.proc.terminate()
-                other.proc.wait()
-            sys.exit(f"{st.name} failed (exit {code}): {' '.join(st.cmd)}\n--- last lines of {st.log}:\n"
-                     + "\n".join(st.log.read_text().splitlines()[-30:]))
-        print(f"{st.name:<15} ok in {time.time() - st.started:5.1f} s  python -m {st.cmd[2]} ...  (log: {st.log})",
-              flush=True)
+    """Wait for every stage, printing each one's line as it ends; a failure stops the others and the demo
+    with the failed stage's log tail."""
+    running = list(stages)
+    while running:
+        for st in [st for st in running if st.proc.poll() is not None]:
+            running.remove(st)
+            if st.proc.returncode:
+                for other in running:
+                    other.proc.terminate()
+                    other.proc.wait()
+                sys.exit(f"{st.name} failed (exit {st.proc.returncode}): {' '.join(st.cmd)}\n--- last lines of "
+                         f"{st.log}:\n" + "\n".join(st.log.read_text().splitlines()[-30:]))
+            print(f"{st.name:<15} ok in {time.time() - st.started:5.1f} s  python -m {st.cmd[2]} ...  (log: {st.log})",
+                  flush=True)
+        time.sleep(0.05)
 
 
 def main() -> None:
