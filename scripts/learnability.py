@@ -7,7 +7,7 @@ held-out BEFORE training -> `train.main` (one process, full fine-tune) -> predic
 held-out set AFTER. Writes OUT/learnability.json with the before/after window metrics (mIoU, R@1@0.5,
 valid/degenerate rates) and exits 1 when the profile's thresholds are missed (--no-check: always 0).
 
-    python -m scripts.learnability --profile ci --out /tmp/learn        # ~2 min on 2 idle CPU cores
+    python -m scripts.learnability --profile ci --out /tmp/learn        # ~3 min on 2 idle CPU cores
     python -m scripts.learnability --seeds 3 --first-seed 1 --test-durations 20,40 --out /tmp/spread
     python -m scripts.learnability --profile full --out /tmp/learn      # one GPU (bf16), prep on all cores
     python -m scripts.learnability --first-seed 5 --test-durations 20,32 --set last_window=keep --out /tmp/lw
