@@ -454,14 +454,15 @@ def test_offloaded_checkpoints_save_host_copies_not_the_layer_inputs(tiny_cache,
     model = _lora(model_dir, checkpointing=False)
     layers = decoder_layers(model.get_base_model())
     apply_checkpointing(model.get_base_model(), Checkpointing.parse("all"), offload=True)
-    layer_inputs: set[int] = set()
+    layer_inputs: list[torch.Tensor] = []  # held, so no later tensor can reuse their memory (and address)
     for layer in layers:
-        layer.register_forward_pre_hook(lambda m, args: layer_inputs.add(args[0].untyped_storage().data_ptr()))
+        layer.register_forward_pre_hook(lambda m, args: layer_inputs.append(args[0]))
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         loss = causal_lm_loss(model, batch, LossSpec(impl="chunked", vision_no_grad=True))
     assert len(layer_inputs) == len(layers) == 2
-    assert not [t.shape for t in saved if t.untyped_storage().data_ptr() in layer_inputs]
+    inputs = {t.untyped_storage().data_ptr() for t in layer_inputs}
+    assert not [t.shape for t in saved if t.untyped_storage().data_ptr() in inputs]
     hidden = [t for t in saved if t.dim() == 3 and t.shape[-1] == model.config.text_config.hidden_size]
     assert len(hidden) >= len(layers)  # the host copies (and the final norm's input)
     loss.backward()  # and backward still runs from them
