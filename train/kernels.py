@@ -201,10 +201,9 @@ def compile_layers(model, backend: str = "inductor") -> int:
     layers share one compiled graph, plus one for the first layer, whose input needs no gradient), after LoRA
     and checkpointing are set up so both are inside the graph. Fuses the elementwise work between the matmuls
     (norms, rotary, SwiGLU, LoRA scaling, residuals) and cuts kernel launches. Returns the layers compiled."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    classes = {n for m in base.modules() for n in (getattr(m, "_no_split_modules", None) or ())}
-    layers = [m for n, m in base.named_modules() if type(m).__name__ in classes and "visual" not in n
-              and "Vision" not in type(m).__name__]
+    from train.activations import decoder_layers
+
+    layers = decoder_layers(model.get_base_model() if hasattr(model, "get_base_model") else model)
     for layer in layers:
         layer.compile(backend=backend)
     return len(layers)

@@ -217,7 +217,10 @@ class Recipe:
 
         # 2b. The levers that depend on the device and the family, checked before anything heavy.
         self._check_levers()
-        self.cfg = cfg = dataclasses.replace(cfg, liger_kernels=self.use_liger_kernels)  # decided: the planner and run.json see it
+        if cfg.liger_kernels is None:  # on where measured to keep the loss (Qwen3-VL, one H200: 1.13x, within 1e-3);
+            # decided here so the planner and run.json see it
+            self.cfg = cfg = dataclasses.replace(cfg, liger_kernels=self.family == "qwen3_vl" and not cfg.compile
+                                                 and liger_kernels_problem(self.device.type) is None)
 
         # 3. Pre-flight every planned sample from the manifest (the loader checks each one again as it reads).
         preflight_records([self.store.record(s) for s in planned], spec=self.vision)
@@ -345,9 +348,6 @@ class Recipe:
                             "so packed samples would see each other; train Qwen3.5 unpacked")
         if cfg.liger_kernels and (why := liger_kernels_problem(device)) is not None:
             problems.append(why)
-        # default: on where it was measured to keep the loss (Qwen3-VL on one H200: 1.13x, loss within 1e-3)
-        self.use_liger_kernels = cfg.liger_kernels if cfg.liger_kernels is not None else (
-            self.family == "qwen3_vl" and not cfg.compile and liger_kernels_problem(device) is None)
         if cfg.mem_cap_gib is not None and device != "cuda":
             problems.append(f"--mem-cap-gib needs a CUDA device (this run is on {device})")
         if cfg.quantize_base and (why := quantize_problem(device)) is not None:

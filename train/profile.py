@@ -2,8 +2,10 @@
 
 The first step is skipped (allocator warm-up, lazy kernels), the next N are recorded. Per rank it writes
 RUN/profile/rank{r}.trace.json.gz (a Chrome trace: https://ui.perfetto.dev or chrome://tracing) and
-RUN/profile/kernels_rank{r}.txt, the ops sorted by self device time (self CPU time on a CPU run), with the
-share of the profiled wall time each takes. Profiling slows the steps it records; their step lines say so.
+RUN/profile/kernels_rank{r}.txt, the ops sorted by self device time (self CPU time on a CPU run), with each
+one's share of the table's sum. On CUDA the table lists both aten ops and the kernels they launch (and the
+ProfilerStep rows), so the shares overlap: read kernel totals from the trace. Profiling slows the steps it
+records (their step lines do not mark them), so time runs without it.
 """
 from __future__ import annotations
 
