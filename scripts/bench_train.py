@@ -69,6 +69,12 @@ LEGS: dict[str, tuple[str, ...]] = {
     "zero2-compile": ("--zero-stage", "2", "--gradient-checkpointing", "all", "--compile", "--no-liger-kernels"),
     # two profiled steps after the first (RUN/profile/kernels_rank0.txt: where the step goes); not for timing
     "auto-profile": ("--profile-steps", "2"),
+    "zero3-profile": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--profile-steps", "2"),
+    # the step-overhead levers that ship on, each turned off alone
+    "auto-no-batched-vision": ("--no-batched-vision-attention",),
+    "auto-no-fused-grad-checks": ("--no-fused-grad-checks",),
+    # ZeRO-3 on one rank with every parameter whole: nothing to prefetch, so the prefetch bookkeeping off
+    "zero3-no-prefetch": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--prefetch-bucket-size", "1"),
     "zero2-vision-in-forward": ("--zero-stage", "2", "--gradient-checkpointing", "all", "--no-vision-no-grad",
                                 "--vision-chunk-frames", "0"),
     "zero2-eager": ("--zero-stage", "2", "--gradient-checkpointing", "all", "--attention", "eager"),
@@ -118,6 +124,8 @@ def issue9_matrix() -> list[Leg]:
              Leg(config="linear-torch", size=q4)]
     legs += [Leg(config=c) for c in ("auto-profile", "auto-no-liger-kernels", "zero2-liger-kernels", "auto-compile",
                                      "zero2-compile")]
+    legs += [Leg(config=c) for c in ("auto-no-batched-vision", "auto-no-fused-grad-checks", "zero3-profile",
+                                     "zero3-no-prefetch")]  # 35-38
     return legs
 
 

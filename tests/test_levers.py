@@ -466,3 +466,61 @@ def test_offloaded_checkpoints_save_host_copies_not_the_layer_inputs(tiny_cache,
     hidden = [t for t in saved if t.dim() == 3 and t.shape[-1] == model.config.text_config.hidden_size]
     assert len(hidden) >= len(layers)  # the host copies (and the final norm's input)
     loss.backward()  # and backward still runs from them
+
+
+def test_fused_grad_checks_give_deepspeeds_norm_and_overflow_verdict_in_a_few_ops(tmp_path):
+    """A real one-rank ZeRO-2 bf16 engine on CPU: the fused norm equals DeepSpeed's per-tensor one, both see a
+    NaN gradient (norm -> DeepSpeed's -1 sentinel, overflow -> the step is skipped), and the fused checks issue
+    a constant number of ops where DeepSpeed's grow with the tensor count."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "checks.json"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    subprocess.run([sys.executable, "-m", "tests.grad_checks_worker", str(out)], check=True, timeout=240, env=env,
+                   cwd=Path(__file__).resolve().parents[1])
+    r = json.loads(out.read_text())
+    assert r["replaced"] == ["has_overflow_partitioned_grads_serial", "get_grad_norm_direct"]
+    assert r["tensors"] == 48
+    ds, fused = r["finite"]["deepspeed"], r["finite"]["fused"]
+    assert ds["overflow"] is fused["overflow"] is False
+    assert fused["norm"] == pytest.approx(ds["norm"], rel=1e-6) and ds["norm"] > 0
+    assert r["nan"]["deepspeed"]["overflow"] is r["nan"]["fused"]["overflow"] is True
+    assert r["nan"]["deepspeed"]["norm"] == r["nan"]["fused"]["norm"] == -1.0
+    assert r["nan_step_skipped"] and r["grad_norm_after_nan"] == float("inf")
+    assert fused["ops"] <= 30 < 4 * r["tensors"] < ds["ops"], (fused["ops"], ds["ops"])  # 23 vs 831 measured
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_batched_vision_attention_gives_the_tower_own_features_in_one_call_per_block(tiny_cache, family):
+    """Equal temporal groups (one video, or two of the same size) run one sdpa call per block and give the
+    model's own features; unequal groups (two grids) fall back to transformers' forward, same features."""
+    from unittest import mock
+
+    from transformers import AutoModelForImageTextToText
+
+    from train.kernels import batch_vision_attention
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_cache / f"tiny_{family}", dtype=torch.float32,
+                                                        attn_implementation="sdpa").eval()
+    blocks = len(model.model.visual.blocks)
+    cases = {"one video": [[6, 4, 6]], "two equal videos": [[4, 4, 6], [2, 4, 6]], "two grids": [[4, 6, 10], [3, 4, 4]]}
+    torch.manual_seed(0)
+    with torch.no_grad():
+        inputs = {k: (torch.tensor(g), torch.randn(int(torch.tensor(g).prod(-1).sum()), 3 * 2 * 16 * 16))
+                  for k, g in cases.items()}
+        refs = {k: model.model.get_video_features(p, g, return_dict=True) for k, (g, p) in inputs.items()}
+        assert batch_vision_attention(model) == blocks
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        for k, (g, p) in inputs.items():
+            with mock.patch("torch.nn.functional.scaled_dot_product_attention", side_effect=sdpa) as spy:
+                got = model.model.get_video_features(p, g, return_dict=True)
+            segments = int(g[:, 0].sum())
+            assert spy.call_count == (blocks * segments if k == "two grids" else blocks), (k, spy.call_count)
+            for a, b in zip(got.pooler_output, refs[k].pooler_output):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            for la, lb in zip(getattr(got, "deepstack_features", None) or [], getattr(refs[k], "deepstack_features", None) or []):
+                for a, b in zip(la, lb):
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -10,6 +10,13 @@ Fused kernels (`--liger-kernels`): liger-kernel's Triton RMSNorm, rotary embeddi
 model's torch modules (the loss has its own switch, `--loss-impl liger`). CUDA only; the bench
 (scripts/bench_train.py) compares each step's loss with the reference path.
 
+Vision attention (`--batched-vision-attention`, on by default): transformers' sdpa path of the Qwen3-VL /
+Qwen3.5 vision tower reads the segment lengths back to the host in every block and calls attention once per
+temporal group (a 64-frame video: 32 groups x 24 blocks = 768 calls and 24 host syncs per forward, ~45 us of
+host time each on one H200). The groups of one video all have the same size, so this runs one batched call
+per block over equal-length segments (the same attention, each group attending only to itself) and reads the
+lengths once per tower pass; unequal segments take transformers' own forward.
+
 Linear attention (`--linear-attention`, Qwen3.5's gated-delta-rule and causal-conv1d layers): transformers
 picks flash-linear-attention (`fla`) / `causal_conv1d` at import when they are importable and otherwise a
 plain torch fallback (or kernels from the model hub, which offline clusters never reach). `torch` forces
@@ -194,6 +201,48 @@ def apply_liger_kernels(model, family: str) -> list[str]:
         mlp.forward = types.MethodType(LigerSwiGLUMLP.forward, mlp)
     modeling_qwen3_vl.apply_rotary_pos_emb = liger_rotary_pos_emb  # the text attention's rotary (process-wide)
     return [f"rms_norm x{len(norms)}", f"swiglu x{len(mlps)}", "rope"]
+
+
+def batch_vision_attention(model) -> int:
+    """`--batched-vision-attention`: give every sdpa vision-attention module of `model` the batched forward
+    (module docstring); returns the modules changed."""
+    import types
+
+    changed = 0
+    for module in model.modules():
+        name = type(module).__name__
+        if (name.endswith("VisionAttention") and all(hasattr(module, k) for k in ("qkv", "proj", "num_heads", "scaling"))
+                and getattr(module.config, "_attn_implementation", None) == "sdpa"):
+            module.forward = types.MethodType(_segment_batched_attention, module)
+            changed += 1
+    return changed
+
+
+def segment_lengths(cu_seqlens: torch.Tensor) -> list[int]:
+    """The attention segments' lengths, read to the host once per tensor (the tower passes the same
+    `cu_seqlens` to every block)."""
+    lengths = getattr(cu_seqlens, "_segment_lengths", None)
+    if lengths is None:
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        cu_seqlens._segment_lengths = lengths
+    return lengths
+
+
+def _segment_batched_attention(self, hidden_states, cu_seqlens, position_embeddings=None, **kwargs):
+    """One vision block's attention over equal-length segments as one batched sdpa call (no mask, not causal,
+    no dropout: the tower's attention_dropout is 0); anything else goes to the class's own forward."""
+    import sys
+
+    lengths = segment_lengths(cu_seqlens)
+    if len(set(lengths)) != 1 or getattr(self, "attention_dropout", 0.0):
+        return type(self).forward(self, hidden_states, cu_seqlens, position_embeddings=position_embeddings, **kwargs)
+    rows, segments = hidden_states.shape[0], len(lengths)
+    q, k, v = self.qkv(hidden_states).reshape(rows, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    cos, sin = position_embeddings
+    q, k = sys.modules[type(self).__module__].apply_rotary_pos_emb_vision(q, k, cos, sin)
+    q, k, v = (t.reshape(segments, lengths[0], self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=self.scaling)  # [segments, heads, len, dim]
+    return self.proj(out.transpose(1, 2).reshape(rows, -1))
 
 
 def compile_layers(model, backend: str = "inductor") -> int:

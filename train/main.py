@@ -77,6 +77,7 @@ from train.kernels import (
     KernelError,
     apply_liger_kernels,
     attention_problem,
+    batch_vision_attention,
     compile_layers,
     liger_kernels_problem,
     route_linear_attention,
@@ -90,7 +91,7 @@ from train.quantize import from_pretrained_kwargs, quantize_problem
 from train.profile import StepProfiler
 from train.plan import PlanConfig, PlanError, global_steps, plan_run, total_steps
 from train.run_record import build_run_record, update_run_record, write_json
-from train.zero import mark_leaf_layers, sharding_report
+from train.zero import fuse_gradient_checks, mark_leaf_layers, sharding_report
 
 EXIT_USAGE = 2
 EXIT_OOM = 3
@@ -253,6 +254,8 @@ class Recipe:
 
         if cfg.liger_kernels:  # before LoRA wraps the projections the swapped MLP forward calls
             self.log.event("liger_kernels", swapped=apply_liger_kernels(self.model, self.family))
+        if cfg.batched_vision_attention:
+            self.log.event("batched_vision_attention", modules=batch_vision_attention(self.model))
 
         # 6. What trains: LoRA adapters (default) or every language-model weight; vision frozen unless asked.
         self.model = self._setup_trainable(self.model)
@@ -475,6 +478,8 @@ class Recipe:
             self.log.event("zero3_leaf_layers", classes=leaves)
         engine, _, _, _ = deepspeed.initialize(model=self.model, model_parameters=params, optimizer=optimizer,
                                                lr_scheduler=scheduler, config=self.ds_config)
+        if cfg.fused_grad_checks:
+            self.log.event("fused_grad_checks", replaced=fuse_gradient_checks(engine.optimizer))
         if engine.zero_optimization_stage() != self.zero_stage:
             raise RuntimeError(f"DeepSpeed runs ZeRO stage {engine.zero_optimization_stage()}, the resolved config "
                                f"says {self.zero_stage}")
