@@ -89,6 +89,7 @@ class TrainConfig:
     offload_activations: bool = False  # checkpointed layers' saved inputs in host memory
     vision_no_grad: bool | None = None  # frozen vision tower without autograd (None: on when it is all frozen)
     vision_chunk_frames: int = 64  # frames per vision-tower pass (0: a micro-batch's videos at once)
+    vision_cache_gib: float = 0.0  # keep the frozen vision blocks' outputs per sample, up to this many GiB (0: off)
     loss_impl: str = "auto"  # auto | torch | chunked | liger (train/loss.py)
     pack: bool = False  # pack a micro-batch's samples into one row (needs --max-tokens-per-batch)
     sequence_parallel: int = 1  # ranks one sample's tokens are split over (train/sequence_parallel.py)
@@ -249,6 +250,10 @@ class TrainConfig:
         if self.vision_chunk_frames < 0 or self.vision_chunk_frames % 2:
             p.append(f"--vision-chunk-frames must be 0 or a positive even number (temporal patch of 2 frames), "
                      f"got {self.vision_chunk_frames}")
+        if self.vision_cache_gib < 0:
+            p.append(f"--vision-cache-gib must be >= 0 (0: off), got {self.vision_cache_gib}")
+        if self.vision_cache_gib and self.sequence_parallel > 1:
+            p.append("--vision-cache-gib with --sequence-parallel: the sharded tower does not read the cache")
         if self.loss_impl not in LOSS_IMPLS:
             p.append(f"--loss-impl {self.loss_impl!r}: choose one of {'|'.join(LOSS_IMPLS)}")
         if self.loss_impl == "liger" and not self.lora:
@@ -388,6 +393,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vision-chunk-frames", type=int, default=d.vision_chunk_frames,
                    help="frames per vision-tower pass (exact: its attention stays within a temporal group); "
                    "0 = all at once")
+    g.add_argument("--vision-cache-gib", type=float, default=d.vision_cache_gib, metavar="GIB",
+                   help="keep the frozen vision blocks' outputs per sample (up to GIB of them, on the training "
+                   "device) so a repeated sample runs only the merger(s) and the language model; needs the "
+                   "blocks frozen (the mergers may train); exact (train/vision.py); 0 = off")
     g.add_argument("--loss-impl", choices=("auto", "torch", "chunked", "liger"), default=d.loss_impl,
                    help="cross-entropy at supervised positions: torch (logits there, fp32), chunked (lm_head + loss "
                    "per chunk of positions, recomputed in backward), liger (fused kernel; CUDA, where it imports), "

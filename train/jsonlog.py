@@ -12,7 +12,7 @@ from pathlib import Path
 
 STEP_KEYS = ("step", "epoch", "sample_ids", "repeat", "input_tokens", "visual_tokens", "supervised_tokens", "loss",
              "lr", "grad_norm", "tokens_per_s", "seconds", "peak_alloc_gib", "peak_reserved_gib", "memory_kind",
-             "phase_memory", "phase_seconds", "data_wait_share", "phase")
+             "phase_memory", "phase_seconds", "data_wait_share", "vision_cache", "phase")
 
 
 class RunLog:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from train.data import IGNORE_INDEX
 from train.packing import unpack_inputs
-from train.vision import ENCODER_KEY, encode_videos, unwrap
+from train.vision import ENCODER_KEY, VisionCache, encode_videos, unwrap
 
 LOSS_IMPLS = ("auto", "torch", "chunked", "liger")
 
@@ -106,11 +106,13 @@ def resolve_loss_impl(impl: str, *, lm_head_trainable: bool, zero_stage: int) ->
 
 
 def causal_lm_loss(model, batch: dict[str, torch.Tensor], spec: LossSpec | None = None, *,
-                   full_logits: bool = False) -> torch.Tensor:
+                   full_logits: bool = False, vision_cache: VisionCache | None = None,
+                   sample_ids: list[str] | None = None) -> torch.Tensor:
     """Mean cross-entropy over supervised tokens (labels != -100), the same value as the model's own loss.
 
     Position p predicts token p+1, so only positions whose next label is supervised need logits. `model`
-    is what the trainer calls (DeepSpeed engine, PEFT model or plain transformers model).
+    is what the trainer calls (DeepSpeed engine, PEFT model or plain transformers model). With a vision
+    cache the tower runs apart too, its frozen blocks only for the `sample_ids` it does not hold yet.
     """
     spec = spec or LossSpec(impl="torch", full_logits=full_logits)
     batch = dict(unpack_inputs(model, batch))  # a packed row: per-sample positions, boundaries (train/packing.py)
@@ -119,11 +121,11 @@ def causal_lm_loss(model, batch: dict[str, torch.Tensor], spec: LossSpec | None 
     if mask is not None and bool(mask.all()):
         # No padding: causal alone is the mask, so none is passed (sdpa then runs is_causal, no [L, L] tensor).
         del batch["attention_mask"]
-    if spec.precompute_vision and batch.get("pixel_values_videos") is not None:
+    if (spec.precompute_vision or vision_cache is not None) and batch.get("pixel_values_videos") is not None:
         pixels = batch.pop("pixel_values_videos")
         batch["mm_encoder_outputs"] = {ENCODER_KEY: encode_videos(
             model, pixels, batch["video_grid_thw"], chunk_frames=spec.vision_chunk_frames,
-            no_grad=spec.vision_no_grad)}
+            no_grad=spec.vision_no_grad, cache=vision_cache, keys=sample_ids)}
     if spec.full_logits:
         return model(**batch, labels=labels).loss
     supervised = torch.zeros_like(labels, dtype=torch.bool)

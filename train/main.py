@@ -92,6 +92,7 @@ from train.profile import StepProfiler
 from train.plan import PlanConfig, PlanError, global_steps, plan_run, total_steps
 from train.run_record import build_run_record, update_run_record, write_json
 from train.zero import fuse_gradient_checks, mark_leaf_layers, sharding_report
+from train.vision import VisionCache, cache_problems
 
 EXIT_USAGE = 2
 EXIT_OOM = 3
@@ -144,6 +145,7 @@ class Recipe:
         self._hf_ds_config = None  # must outlive from_pretrained: transformers holds it by weak reference
         self._resume_rng = None
         self._last_losses: list[float] = []
+        self.vision_cache: VisionCache | None = None  # --vision-cache-gib (set in setup)
 
     @property
     def phase(self) -> str:
@@ -259,6 +261,8 @@ class Recipe:
 
         # 6. What trains: LoRA adapters (default) or every language-model weight; vision frozen unless asked.
         self.model = self._setup_trainable(self.model)
+        # 6b. The vision cache, once what trains is known: it holds the frozen blocks' outputs only.
+        self.vision_cache = self._vision_cache()
 
         if cfg.compile:  # after LoRA and checkpointing, so both are inside the compiled layers
             self.log.event("compile", layers=compile_layers(self.model))
@@ -523,7 +527,7 @@ class Recipe:
                     tensors = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
                     with self._sp_scope():  # backward too: checkpointing recomputes the attention there
                         with self.tracker.phase("first_forward" if step == self.start_step and not losses else "forward", step):
-                            loss = self.forward_loss(tensors)
+                            loss = self.forward_loss(tensors, meta.sample_ids)
                         with self.tracker.phase("backward", step):
                             engine.backward(loss)
                     with self.tracker.phase("optimizer_step", step):
@@ -549,7 +553,8 @@ class Recipe:
                     peak_reserved_gib=max(v["reserved_gib"] for v in step_mem.values()),
                     memory_kind=next(iter(step_mem.values()))["kind"], phase_memory=step_mem,
                     phase_seconds=self.tracker.last_step_seconds,
-                    data_wait_share=round(self.tracker.last_step_seconds.get("data", 0.0) / seconds, 4), phase="train")
+                    data_wait_share=round(self.tracker.last_step_seconds.get("data", 0.0) / seconds, 4),
+                    vision_cache=self.vision_cache.counts() if self.vision_cache is not None else None, phase="train")
                 self._last_losses.append(rec["loss"])
                 bar.update(1)
                 if self.rank == 0 and (step % cfg.log_every == 0 or self.steps_done == self.total_steps):
@@ -565,15 +570,29 @@ class Recipe:
                 profiler.step()
         bar.close()
         self.log.bar = None
+        if self.vision_cache is not None:
+            self.log.event("vision_cache", **self.vision_cache.summary())
+            self.log.say(self.vision_cache.line())
 
-    def forward_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward_loss(self, batch: dict[str, torch.Tensor], sample_ids: list[str]) -> torch.Tensor:
         if self.sp > 1:
             # DeepSpeed averages gradients over every rank; the group's partial losses sum to the sample's
             # loss, so each is scaled by N to keep the per-sample weighting of a plain data-parallel run.
             partial, _ = sequence_parallel_loss(self.engine, batch, self.sp_group,
                                                 chunk_positions=self.loss_spec.chunk_positions)
             return partial * self.sp
-        return causal_lm_loss(self.engine, batch, self.loss_spec)
+        return causal_lm_loss(self.engine, batch, self.loss_spec, vision_cache=self.vision_cache, sample_ids=sample_ids)
+
+    def _vision_cache(self) -> VisionCache | None:
+        """--vision-cache-gib: refused unless the tower's blocks give the same outputs every pass."""
+        gib = self.cfg.vision_cache_gib
+        if not gib:
+            return None
+        if problems := cache_problems(self.model):
+            raise ConfigError("; ".join(problems))
+        cache = VisionCache(int(gib * 2**30))
+        self.log.event("vision_cache_on", max_bytes=cache.max_bytes)
+        return cache
 
     def _sp_scope(self):
         import contextlib
