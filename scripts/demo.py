@@ -55,11 +55,17 @@ class Stage:
     started: float
 
 
-def start(stage: str, module: str, args: list[str], logs: Path, env: dict) -> Stage:
-    """Start `python -m module args` with its output to logs/<stage>.log (the stage line comes at finish)."""
+def start(stage: str, module: str, args: list[str], logs: Path, cuda: bool, *, beside: int = 0) -> Stage:
+    """Start `python -m module args` with its output to logs/<stage>.log (the stage line comes at finish); its
+    environment is chosen now (learnability.stage_env: the OpenMP wait policy by the load, said in the log's
+    first line). `beside`: stages started with this one."""
     cmd = [sys.executable, "-m", module, *args]
     log = logs / f"{stage.replace(' ', '-')}.log"
+    env, note = stage_env(cuda, beside=beside)
     with open(log, "w") as f:  # the child keeps its own copy of the descriptor
+        if note:
+            f.write(f"[stage] {note}\n")
+            f.flush()
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     return Stage(name=stage, cmd=cmd, log=log, proc=proc, started=time.time())
 
@@ -106,31 +112,34 @@ def main() -> None:
     logs = out / "logs"
     logs.mkdir(parents=True)
     t_start = time.time()
-    env = stage_env(cuda)
 
     train_dir, videos = sample_videos(out, p, workers)
     print(f"{'videos':<15} ok: {p.train_videos} synthetic training videos in {train_dir}, {p.test_videos} held-out "
           f"({test_name(p.test_durations[0])}) + bikes.mp4 in {videos}", flush=True)
     shards_train, shards = out / "shards_train", out / "shards"
-    prep_train = start("prep train", "prep", ["build", *prep_args(p, train_dir, shards_train, workers)], logs, env)
-    prep_test = start("prep held-out", "prep", ["build", *prep_args(p, videos, shards, workers)], logs, env)
+    prep_train = start("prep train", "prep", ["build", *prep_args(p, train_dir, shards_train, workers)], logs, cuda,
+                       beside=1)
+    prep_test = start("prep held-out", "prep", ["build", *prep_args(p, videos, shards, workers)], logs, cuda, beside=1)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # saving the random model is instant; its bar would only clutter the stage lines
     model = create_random_model(p.model, out / "model_init")
     finish(prep_train, prep_test)
-    # the random model's score needs no trained weights: it runs while training starts
+    # the random model's score needs no trained weights: it runs while training starts. Training's wait policy
+    # does not count it (it ends within the first seconds of a run of minutes); the short stage's does.
     training = start("train", "train.main", train_args(p, shards_train, model, out / "run", cuda=cuda, steps=p.steps,
-                                                       seed=0), logs, env)
+                                                       seed=0), logs, cuda)
     finish(start("predict before", "train.predict", predict_args(p, model, shards, out / "preds_before.jsonl", device),
-                 logs, env), training)
+                 logs, cuda, beside=1), training)
     preds = out / "preds.jsonl"
-    finish(start("verify", "train.verify_adapter", [str(out / "run")], logs, env),
-           start("predict", "train.predict", predict_args(p, out / "run" / "model", shards, preds, device), logs, env))
+    finish(start("verify", "train.verify_adapter", [str(out / "run")], logs, cuda, beside=1),
+           start("predict", "train.predict", predict_args(p, out / "run" / "model", shards, preds, device), logs, cuda,
+                 beside=1))
     finish(start("evaluate", "train.evaluate", [str(preds), "--shards", str(shards), "--out", str(out / "report.json"),
-                                                "--html", str(out / "review.html"), "--videos", str(videos)], logs, env),
+                                                "--html", str(out / "review.html"), "--videos", str(videos)], logs, cuda,
+                 beside=1),
            start("export", "train.export", [str(preds), "--format", "ffmpeg", "--videos", str(videos), "--out",
-                                            str(out / "keep.sh")], logs, env))
+                                            str(out / "keep.sh")], logs, cuda, beside=1))
 
     synthetic = {json.loads(line)["id"] for line in (videos / "annotations.jsonl").read_text().splitlines()} - {REAL_CLIP["id"]}
     before, after = score(out / "preds_before.jsonl", shards, synthetic), score(preds, shards, synthetic)

@@ -153,15 +153,60 @@ def predict_args(p: Profile, model_dir: Path, shards: Path, out: Path, device: s
              "--max-new-tokens", str(p.max_new_tokens), "--no-progress"] + (["--device", device] if device else []))
 
 
-def stage_env(cuda: bool) -> dict:
-    """The environment of a stage's process (train.main here, every stage in scripts/demo.py). On CPU, OpenMP
-    threads wait for work passively: with the default active wait, two processes side by side (or any other
-    load) on 2 cores slowed a training step from 0.16 s to 2 s (measured)."""
+# OpenMP's wait policy for a CPU stage, chosen by the machine's load when the stage starts. The demo's train
+# command on 2 cores (BENCHMARKS.md "Learnability"): with the cores to itself ACTIVE (threads spin between parallel
+# regions) ran a step in 0.16 s vs 0.20 s PASSIVE (threads sleep); beside one busy process 0.52 s vs 0.22 s, and
+# 2 s a step with the default wait beside another stage. The load is what other processes use in a short sample
+# at the start (/proc/stat), not the 1-minute load average: that one still counts the stage that just ended for
+# a minute (the demo's prep right before training read 1.1-1.7 on cores that were free).
+ACTIVE_MAX_BUSY_PER_CORE = 0.25
+LOAD_SAMPLE_S = 0.5
+
+
+def wait_policy(busy_cores: float, cores: int, *, beside: int = 0) -> str:
+    """ACTIVE while the cores other processes keep busy plus the `beside` stages started next to this one stay
+    below ACTIVE_MAX_BUSY_PER_CORE per core, PASSIVE from there on (spinning threads take the cores other work
+    needs, and lose theirs to it)."""
+    return "ACTIVE" if busy_cores + beside < ACTIVE_MAX_BUSY_PER_CORE * cores else "PASSIVE"
+
+
+def busy_cores(seconds: float = LOAD_SAMPLE_S) -> float | None:
+    """Cores' worth of CPU time the machine spent outside idle over the next `seconds` (this process sleeps
+    meanwhile), from /proc/stat; None where there is no /proc/stat."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+        return ticks[3] + ticks[4], sum(ticks)
+
+    try:
+        idle0, total0 = sample()
+        time.sleep(seconds)
+        idle1, total1 = sample()
+    except OSError:
+        return None
+    return (1 - (idle1 - idle0) / max(total1 - total0, 1)) * (os.cpu_count() or 1)
+
+
+def stage_env(cuda: bool, *, beside: int = 0) -> tuple[dict, str]:
+    """The environment of a stage's process (train.main here, every stage in scripts/demo.py) and a line saying
+    how its OpenMP wait policy was chosen (for the stage's log; empty on CUDA). `beside`: stages that start
+    at the same time as this one (not yet visible as load). A policy the caller set is kept."""
     env = dict(os.environ)
-    if not cuda:
-        env["DS_ACCELERATOR"] = "cpu"
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    return env
+    if cuda:
+        return env, ""
+    env["DS_ACCELERATOR"] = "cpu"
+    if "OMP_WAIT_POLICY" in env:
+        return env, f"OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']} (set by the caller)"
+    cores = len(os.sched_getaffinity(0))
+    if wait_policy(0.0, cores, beside=beside) == "PASSIVE":  # no sample needed: the stages beside decide
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+        return env, f"OMP_WAIT_POLICY=PASSIVE: {beside} stage(s) beside on {cores} cores"
+    busy, what = busy_cores(), f"{LOAD_SAMPLE_S:g} s sample of /proc/stat"
+    if busy is None:
+        busy, what = os.getloadavg()[0], "1-minute load average"
+    env["OMP_WAIT_POLICY"] = policy = wait_policy(busy, cores, beside=beside)
+    return env, (f"OMP_WAIT_POLICY={policy}: {busy:.2f} cores busy ({what}; 1-minute load average "
+                 f"{os.getloadavg()[0]:.2f}) on {cores} cores, ACTIVE below {ACTIVE_MAX_BUSY_PER_CORE * cores:g}")
 
 
 # ------------------------------------------------------------------------------------- stages, in-process
@@ -213,8 +258,12 @@ def train(shards: Path, model_dir: Path, run_dir: Path, p: Profile, *, cuda: boo
           log: Path) -> Path:
     """train.main in its own process (it owns a process group); returns the saved full model directory."""
     cmd = [sys.executable, "-m", "train.main", *train_args(p, shards, model_dir, run_dir, cuda=cuda, steps=steps, seed=seed)]
+    env, note = stage_env(cuda)
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=stage_env(cuda))
+        if note:
+            f.write(f"[stage] {note}\n")
+            f.flush()
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     if proc.returncode:
         tail = "\n".join(log.read_text().splitlines()[-40:])
         raise RuntimeError(f"training failed (exit {proc.returncode}): {' '.join(cmd)}\n--- {log}:\n{tail}")

@@ -26,6 +26,9 @@ def test_demo_runs_every_stage_and_writes_the_review_page(tmp_path):
     assert any(line.strip().startswith("before ") for line in lines) and any(line.strip().startswith("after ") for line in lines)
     assert "real clip bikes.mp4" in stdout
     assert "tensors equal" in (out / "logs" / "verify.log").read_text()
+    # every stage's log says how its OpenMP wait policy was chosen; a stage started beside another is passive
+    assert (out / "logs" / "train.log").read_text().startswith("[stage] OMP_WAIT_POLICY=")
+    assert (out / "logs" / "verify.log").read_text().startswith("[stage] OMP_WAIT_POLICY=PASSIVE: 1 stage(s) beside")
     report = json.loads((out / "report.json").read_text())
     assert {v["video_id"] for v in report["per_video"]} >= {"bikes"} and report["counts"]["videos"] == 3
     page = (out / "review.html").read_text()
