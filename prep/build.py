@@ -30,7 +30,7 @@ from pathlib import Path
 
 from prep import answers as answers_mod
 from prep.annotations import check_segments, load_annotations
-from prep.budget import PATCH_SIZE, FramePlan, VideoBudget, group_times, plan_frames
+from prep.budget import FPS_MAX_FRAMES, FPS_MIN_FRAMES, PATCH_SIZE, FramePlan, VideoBudget, group_times, plan_frames
 from prep.decode import RESIZE, DecodeError, decode_windows, encode_windows, read_ahead
 from prep.decoders import BACKENDS, DEFAULT_BACKEND
 from prep.decoders import available as decoder_available
@@ -111,6 +111,7 @@ class BuildConfig:
     min_segment_seconds: float = answers_mod.MIN_SEGMENT_S
     negatives: str = "keep"
     fps: float = 2.0
+    max_frames: int = FPS_MAX_FRAMES  # frames per window at most (qwen-vl-utils' FPS_MAX_FRAMES)
     model_family: str = "qwen3_vl"
     video_min_tokens: int | None = None  # None: VIDEO_MIN_TOKEN_NUM or the default
     video_max_tokens: int | None = None  # None: VIDEO_MAX_TOKEN_NUM or the default
@@ -163,6 +164,8 @@ class BuildConfig:
             p.append("--negatives must be keep or drop")
         if self.fps <= 0:
             p.append("--fps must be > 0")
+        if self.max_frames < FPS_MIN_FRAMES:
+            p.append(f"--max-frames must be >= {FPS_MIN_FRAMES}, got {self.max_frames}")
         if self.model_family not in PATCH_SIZE:
             p.append(f"--model-family must be one of {sorted(PATCH_SIZE)}")
         if self.max_input_tokens is not None and self.max_input_tokens <= 0:
@@ -226,6 +229,7 @@ class BuildConfig:
             video_min_tokens=self.video_min_tokens,
             video_max_tokens=self.video_max_tokens,
             fps=self.fps,
+            max_frames=self.max_frames,
         )
 
     def to_json(self) -> dict:
@@ -235,7 +239,8 @@ class BuildConfig:
         """What decides the content of the shards (not where they are, how they are distributed, the watchdog,
         progress, overwrite)."""
         keep = {k: v for k, v in self.to_json().items()
-                if k not in ("out", "workers", "decode_timeout", "overwrite", "progress", "ray", "part", "assemble")}
+                if k not in ("out", "workers", "decode_timeout", "overwrite", "progress", "ray", "part", "assemble",
+                             "max_frames")}  # max_frames is in the budget below (an old build keeps its fingerprint)
         keep["budget"] = dataclasses.asdict(self.budget())
         if keep["device"] == "cpu":
             del keep["device"]  # a CPU build keeps the fingerprint it had before --device existed
@@ -1033,6 +1038,9 @@ def parser() -> argparse.ArgumentParser:
       help="drop answer pieces shorter than this after clipping to the window")
     a("--negatives", choices=("keep", "drop"), default="keep", help="windows without any segment: keep them with answer [] or drop them")
     a("--fps", type=float, default=2.0, help="frames sampled per source second inside a window (qwen-vl-utils smart_nframes rules)")
+    a("--max-frames", type=int, default=FPS_MAX_FRAMES,
+      help=f"frames per window at most (default {FPS_MAX_FRAMES}, qwen-vl-utils' FPS_MAX_FRAMES); a longer window "
+      "is sampled more sparsely, as qwen-vl-utils does")
     a("--model-family", choices=sorted(PATCH_SIZE), default="qwen3_vl", help="patch geometry: qwen3_vl/qwen3_5 patch 16, qwen2_5_vl patch 14")
     a("--video-min-tokens", type=int, default=None, help="per-frame minimum tokens (default: $VIDEO_MIN_TOKEN_NUM or 128)")
     a("--video-max-tokens", type=int, default=None, help="per-frame maximum tokens (default: $VIDEO_MAX_TOKEN_NUM or 768)")

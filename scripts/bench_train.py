@@ -147,6 +147,7 @@ def select(spec: str, n: int) -> list[int]:
 # ------------------------------------------------------------------------------------------------- inputs
 def make_shards(out: Path, frames: int, tokens_per_frame: int, samples: int, workers: int = 8) -> Path:
     """Square synthetic videos whose budgeted grid is [frames/2, 2s, 2s] with s*s = tokens_per_frame."""
+    from prep.budget import FPS_MAX_FRAMES
     from scripts.synth_videos import VideoSpec, write_dataset
 
     shards = out / f"shards_{frames}f_{tokens_per_frame}t_{samples}s"
@@ -162,7 +163,8 @@ def make_shards(out: Path, frames: int, tokens_per_frame: int, samples: int, wor
     videos = write_dataset(out / f"videos_{frames}f_{tokens_per_frame}t_{samples}s", specs)
     cmd = [sys.executable, "-m", "prep", "build", "--videos", str(videos), "--out", str(shards),
            "--window-seconds", str(window), "--video-max-tokens", str(tokens_per_frame),
-           "--video-min-tokens", str(min(128, tokens_per_frame)), "--workers", str(workers), "--no-progress"]
+           "--video-min-tokens", str(min(128, tokens_per_frame)), "--workers", str(workers), "--no-progress",
+           "--max-frames", str(max(frames, FPS_MAX_FRAMES))]  # above 768 frames prep's default cap would sample down
     subprocess.run(cmd, check=True, cwd=REPO, timeout=1800)
     return shards
 

@@ -371,3 +371,17 @@ def test_default_budget_reads_environment(monkeypatch):
     assert (b.video_min_tokens, b.video_max_tokens) == (64, 196)
     assert B.VideoBudget.from_env(video_max_tokens=768).video_max_tokens == 768
     assert grid_of(b, 1280, 720, 8) == [4, 36, 20]
+
+
+def test_max_frames_raises_the_window_cap_and_is_recorded_in_the_budget(tmp_path):
+    """qwen-vl-utils caps a window at 768 frames; --max-frames lifts it (a 1024-frame window for long-context
+    runs) and the budget build.json records carries it; the default build keeps its fingerprint."""
+    from prep.build import BuildConfig, parser
+
+    long = dict(height=360, width=640, fps=30.0, total_frames=30 * 600, start_s=0.0, end_s=512.0)
+    default = BuildConfig(videos=tmp_path, out=tmp_path / "o")
+    assert B.plan_frames(default.budget(), **long).grid_t * 2 == B.FPS_MAX_FRAMES == 768
+    raised = BuildConfig(videos=tmp_path, out=tmp_path / "o", max_frames=1024)
+    assert B.plan_frames(raised.budget(), **long).grid_t * 2 == 1024
+    assert raised.budget().max_frames == 1024 and raised.fingerprint() != default.fingerprint()
+    assert parser().parse_args(["--videos", "v", "--out", "o", "--max-frames", "1024"]).max_frames == 1024
