@@ -510,6 +510,20 @@ def write_markdown(path: Path, section: str) -> None:
     path.write_text(text.rstrip("\n") + "\n")
 
 
+def missing_packages(args) -> list[str]:
+    """What the chosen legs import in their worker processes, checked up front: an initializer that raises
+    makes multiprocessing.Pool replace its dying workers forever instead of failing."""
+    import importlib.util
+
+    needs = {"qwen_vl_utils": "the fetch leg (pip install qwen-vl-utils)", "decord": "the floor leg (pip install decord)",
+             "av": "synthetic videos and the pyav decoder (pip install av)"}
+    if args.decoder != "decord" and args.decoder != "pyav":
+        needs[args.decoder] = f"--decoder {args.decoder}"
+    if args.ray:
+        needs["ray"] = "--ray (pip install ray)"
+    return [f"{mod} for {why}" for mod, why in needs.items() if importlib.util.find_spec(mod) is None]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--videos", type=Path, default=None, help="directory of videos (default: synthetic set + bikes.mp4)")
@@ -529,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", type=Path, default=Path("BENCHMARKS.md"), help="file whose '## Prep' section is rewritten")
     ap.add_argument("--no-markdown", dest="markdown", action="store_const", const=None, help="do not write markdown")
     args = ap.parse_args(argv)
+    if missing := missing_packages(args):
+        ap.error("missing packages: " + "; ".join(missing))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     t_start = time.perf_counter()
     if args.synth:

@@ -68,3 +68,15 @@ def test_wheelhouse_markers_follow_the_target_python(tmp_path):
         z.writestr("demo-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: demo\nVersion: 1.0\n"
                                                   "Requires-Dist: numpy>=1.20\nRequires-Dist: torch\n")
     assert [str(r) for r in wheel_requirements(wheel)] == ["numpy>=1.20", "torch"]
+
+
+def test_bench_prep_names_missing_packages_before_it_starts_a_pool():
+    """A worker initializer that raises makes multiprocessing.Pool respawn workers forever (seen on the device:
+    qwen-vl-utils absent, the fetch leg spun until the call's timeout), so imports are checked up front."""
+    import argparse
+
+    from scripts.bench_prep import missing_packages
+
+    assert missing_packages(argparse.Namespace(decoder="decord", ray=False)) == []  # the test environment has them
+    got = missing_packages(argparse.Namespace(decoder="no_such_decoder_pkg", ray=False))
+    assert got == ["no_such_decoder_pkg for --decoder no_such_decoder_pkg"]
