@@ -58,6 +58,18 @@ MEASURED = [
     ("qwen3_vl_4b", 64, 6617, 13, dict(zero_stage=2, checkpointing="none"), 1, 54.61, None, "H200 session 5"),
     ("qwen3_vl_4b", 64, 6617, 13, dict(zero_stage=2, checkpointing="none", fused_kernels=True), 1, 44.74, None,
      "H200 session 5"),  # --liger-kernels (the default for Qwen3-VL on CUDA)
+    ("qwen3_5_9b", 64, 6619, 12, dict(zero_stage=2, checkpointing="none"), 1, 118.71, None, "H200 session 5"),  # torch fallback
+    # session 6, one H200 (BENCHMARKS.md "One H200, session 6"): the stacks that ship
+    ("qwen3_5_9b", 64, 6619, 12, dict(zero_stage=2, checkpointing="none", linear_attention="fla"), 1, 83.91, None,
+     "H200 session 6"),  # fla on Triton 3.7.1 (was +21.4% counted as the torch fallback)
+    ("qwen3_vl_8b", 64, 6617, 13, dict(zero_stage=2, checkpointing="none", fused_kernels=True), 1, 63.61, None,
+     "H200 session 6"),
+    ("qwen3_vl_4b", 768, 79093, 15, dict(zero_stage=2, checkpointing="all-but-8", fused_kernels=True), 1, 122.51, None,
+     "H200 session 6"),
+    ("qwen3_vl_4b", 64, 6617, 13, dict(zero_stage=3, checkpointing="all", fused_kernels=True), 1, 11.79, None,
+     "H200 session 6"),
+    ("qwen3_vl_4b", 64, 6617, 13, dict(zero_stage=2, checkpointing="all", fused_kernels=True), 1, 10.99, None,
+     "H200 session 6"),
 ]
 
 

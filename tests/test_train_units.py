@@ -307,3 +307,25 @@ def test_resume_refuses_a_checkpoint_with_another_plan_or_world_size(tmp_path):
         load_checkpoint(None, find_checkpoint(tmp_path), rank=0, world_size=4, plan_sha256="b" * 64)
     assert "written by 2 ranks, this run has 4" in str(e.value) and "data plan differs" in str(e.value)
 
+
+
+def test_oom_report_groups_live_cuda_blocks_by_the_first_frames_outside_torch():
+    """The grouping an OOM report applies to torch.cuda.memory._snapshot() (the CUDA side is not run in CI)."""
+    from train.memory import GIB, live_allocations_by_site
+
+    def block(size, state, *frames):
+        return {"size": size, "requested_size": size, "state": state,
+                "frames": [{"filename": f, "line": n, "name": fn} for f, n, fn in frames]}
+
+    torch_frame = ("/x/site-packages/torch/nn/modules/linear.py", 125, "forward")
+    layer = ("/x/transformers/models/qwen3_vl/modeling_qwen3_vl.py", 400, "forward")
+    ds = ("/x/deepspeed/runtime/zero/parameter_offload.py", 470, "forward")
+    snap = {"segments": [{"blocks": [block(2 * GIB, "active_allocated", torch_frame, layer, ds),
+                                     block(GIB, "active_allocated", torch_frame, layer, ds),
+                                     block(5 * GIB, "inactive", layer),
+                                     block(GIB // 2, "active_allocated", ds)]},
+                         {"blocks": [block(GIB // 4, "active_allocated")]}]}
+    got = live_allocations_by_site(snap)
+    assert got == [{"site": "modeling_qwen3_vl.py:400 forward < parameter_offload.py:470 forward", "gib": 3.0, "blocks": 2},
+                   {"site": "parameter_offload.py:470 forward", "gib": 0.5, "blocks": 1},
+                   {"site": "unrecorded", "gib": 0.25, "blocks": 1}]

@@ -68,6 +68,8 @@ from train.memory import (
     apply_mem_cap,
     device_info,
     gpu_memory_in_use,
+    live_allocations_by_site,
+    record_allocations,
     summary_table,
 )
 from train.models import detect_family, ensure_tiny_model
@@ -140,6 +142,7 @@ class Recipe:
         self.run_dir = cfg.output_dir
         self.rank, self.world_size, self.local_rank = 0, 1, 0
         self.steps_done = 0  # optimizer steps completed: also the index of the step that runs next
+        self._recording_allocations = False  # CUDA allocation history (train/memory.py), load to step 0's end
         self.start_step = 0  # the first step this process runs (> 0 when resumed)
         self.current_meta = None  # BatchMeta of the micro-batch in flight (OOM report)
         self._hf_ds_config = None  # must outlive from_pretrained: transformers holds it by weak reference
@@ -220,6 +223,7 @@ class Recipe:
 
         # 2b. The levers that depend on the device and the family, checked before anything heavy.
         self._check_levers()
+        cfg = self.cfg
         if cfg.liger_kernels is None:  # on where measured to keep the loss (Qwen3-VL, one H200: 1.13x, within 1e-3);
             # decided here so the planner and run.json see it
             self.cfg = cfg = dataclasses.replace(cfg, liger_kernels=self.family == "qwen3_vl" and not cfg.compile
@@ -365,6 +369,8 @@ class Recipe:
             choice = route_linear_attention(cfg.linear_attention, self.device)
             self.log.event("linear_attention", implementation=choice.implementation, reason=choice.reason)
             self.log.say(f"Qwen3.5 linear attention: {choice.implementation} ({choice.reason})")
+            # decided: the planner counts what this kernel saves, and run.json records it
+            self.cfg = dataclasses.replace(self.cfg, linear_attention=choice.implementation)
 
     def _model_dir(self) -> Path:
         if self.cfg.model is not None:
@@ -400,6 +406,7 @@ class Recipe:
             # Kept alive on self: with it, from_pretrained builds the model inside deepspeed.zero.Init and
             # each rank only ever holds its partition.
             self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
+        self._recording_allocations = record_allocations(self.device.type == "cuda")  # until step 0 ends
         with self.tracker.phase("load", 0):
             model, info = AutoModelForImageTextToText.from_pretrained(
                 self.model_dir, dtype=self.dtype, output_loading_info=True, attn_implementation=self.cfg.attention,
@@ -535,6 +542,8 @@ class Recipe:
                     losses.append(self._sample_loss(loss))
                 step_mem = self.tracker.end_step()  # per-phase peaks of this step; the memory file written once
                 self.steps_done = step + 1
+                if self._recording_allocations:
+                    self._recording_allocations = record_allocations(False)
                 self.current_meta = None
                 if self.sp_rank == 0:  # one ledger writer per data-parallel slot
                     append_ledger(self.run_dir, step, self.dp_rank, accum)
@@ -694,6 +703,8 @@ class Recipe:
         # steps_done is the index of the step that was running when memory ran out
         report = {"error": "out_of_memory", "message": str(err), "rank": self.rank, "phase": self.phase,
                   "global_step": self.steps_done, "samples": samples, "ranks_memory": all_ranks_memory(self.run_dir)}
+        if self.device.type == "cuda":  # what holds the memory, by allocation site (recorded up to step 0's end)
+            report["live_allocations"] = live_allocations_by_site(torch.cuda.memory._snapshot())
         write_json(self.run_dir / f"oom_rank{self.rank}.json", report)
         self.log.event("oom", **{k: v for k, v in report.items() if k != "rank"})
         lines = [f"[rank {self.rank}] OUT OF MEMORY in phase {self.phase} at global step {self.steps_done}: {err}"]

@@ -212,3 +212,35 @@ def apply_mem_cap(cap_gib: float, index: int) -> float:
     fraction = cap_gib * GIB / total
     torch.cuda.set_per_process_memory_fraction(fraction, index)
     return fraction
+
+
+HISTORY_ENTRIES = 200_000  # allocator events kept while recording (a ring buffer)
+
+
+def record_allocations(on: bool) -> bool:
+    """Start (or stop) CUDA's allocation history with Python stacks; returns whether it is recording. On from
+    the load to the end of the first step (where out-of-memory errors happen), so that an OOM report names
+    the code holding the memory, not only the totals (the planner's misses are found that way). A no-op
+    without CUDA."""
+    if not torch.cuda.is_available():
+        return False
+    torch.cuda.memory._record_memory_history(enabled="all" if on else None, stacks="python",
+                                             max_entries=HISTORY_ENTRIES)
+    return on
+
+
+def live_allocations_by_site(snapshot: dict, *, top: int = 20) -> list[dict]:
+    """The allocated blocks of a `torch.cuda.memory._snapshot()` grouped by where they were allocated (the
+    first two stack frames outside torch itself, e.g. a model's line and its caller), largest first."""
+    sites: dict[str, list[int]] = {}
+    for segment in snapshot.get("segments", []):
+        for block in segment.get("blocks", []):
+            if block.get("state") != "active_allocated":
+                continue
+            frames = [f for f in block.get("frames") or [] if "/torch/" not in f.get("filename", "")]
+            site = " < ".join(f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in frames[:2]) or "unrecorded"
+            entry = sites.setdefault(site, [0, 0])
+            entry[0] += int(block.get("requested_size") or block.get("size") or 0)
+            entry[1] += 1
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"site": site, "gib": round(size / GIB, 4), "blocks": count} for site, (size, count) in ranked]

@@ -39,8 +39,9 @@ BENCHMARKS.md: 18 runs, 4B/8B/Qwen3.5-9B shapes, ZeRO-2/3, 1 and 2 GPUs, 64-512 
 supervised-only loss, 4 runs with the shipping levers, with and without checkpointing, and 17 per-phase peaks)
 within 15% (all within 9%). Two modelling choices were made after session 4's H200 runs, both from what
 autograd keeps, not fitted: rotary keeps no per-token tensor, and with LoRA dropout a frozen projection's
-input is not kept (only the dropout outputs are). Measured with transformers' torch fallback for Qwen3.5's
-linear attention (fla's kernels save less; unmeasured). Known miss (BENCHMARKS.md "One H200"): the offload
+input is not kept (only the dropout outputs are). Qwen3.5's linear attention is counted per kernel: the
+torch fallback's tensors as measured in session 4, fla's from its autograd function's saved tensors (one H200,
+Qwen3.5-9B at 64 frames: 83.91 GiB measured, 83.57 predicted; it had been +21% with the fallback's count). Known miss (BENCHMARKS.md "One H200"): the offload
 configurations (-14% / -35%, measured before --offload-activations really offloaded).
 
 `choose` walks the candidates fastest first (ZeRO-2 without checkpointing > ZeRO-2 > ZeRO-3 > +activation
@@ -104,6 +105,7 @@ class Setup:
     lora_dropout: bool = True  # dropout > 0 saves a copy of each LoRA input
     keeps_outputs: bool = False  # the caller holds the model outputs (logits) through backward
     fused_kernels: bool = False  # liger's RMSNorm / SwiGLU (train/kernels.py): bf16 norm inputs, no MLP act copy
+    linear_attention: str = "torch"  # Qwen3.5's gated-delta-rule kernel: fla | torch (what it saves differs)
     exact: bool = True  # computes the same loss as the reference (a quantized base does not)
 
     def name(self) -> str:
@@ -142,11 +144,12 @@ class Prediction:
 
 
 def layer_bytes_per_token(layer: LayerShape, shape: ModelShape, *, lora_dropout: bool, act: int = 2,
-                          fused: bool = False) -> float:
+                          fused: bool = False, linear_kernel: str = "torch") -> float:
     """Bytes one decoder layer saves for backward per token (bf16 activations, fp32 where the code upcasts).
     `fused` (liger's kernels): an RMSNorm keeps its bf16 input (and one fp32 rstd per row) instead of an fp32
     copy, SwiGLU keeps gate and up and recomputes the activation (one H200, 4B at 64 frames without
-    checkpointing: 54.61 -> 44.74 GiB measured, this counts 40 of the 43 KB per token and layer)."""
+    checkpointing: 54.61 -> 44.74 GiB measured, this counts 40 of the 43 KB per token and layer).
+    `linear_kernel`: what Qwen3.5's gated-delta-rule layers run (fla or transformers' torch fallback)."""
     H, I = shape.hidden, shape.intermediate
     f32 = act if fused else 4  # what a norm keeps per element
     lora = sum(n * w for w, n in layer.lora_inputs.items()) * (act + 1) if lora_dropout else 0  # output + mask
@@ -166,12 +169,20 @@ def layer_bytes_per_token(layer: LayerShape, shape: ModelShape, *, lora_dropout:
     else:
         C, Vd = layer.conv, layer.value
         k = (C - Vd) // 2  # query = key width
+        if linear_kernel == "fla":
+            # fla 0.6's ChunkGatedDeltaRuleFunction.save_for_backward: q and k l2-normalized in bf16 (their
+            # per-head rstd is negligible), v as the conv output it is a view of, the gate cumsum and beta per
+            # head, the [64]-wide intra-chunk matrix A per value head (bf16, k's dtype); its output in bf16
+            recurrence = 2 * act * k + act * 64 * layer.v_heads + (f32 + 2 * act) * layer.v_heads + act * Vd
+        else:  # transformers' torch fallback
+            recurrence = (2 * 2 * f32 * k + f32 * Vd  # q, k l2-normalized in fp32 (input and output), v in fp32
+                          + 4 * f32 * 64 * layer.v_heads  # chunked intra-chunk matrices (chunk 64) per value head
+                          + 3 * f32 * Vd  # new values, key/value updates
+                          + f32 * Vd)  # core output in fp32
         mixer = (f32 * H + shared * H  # input norm, projections' input
                  + 3 * act * C  # conv input, conv output, silu output
-                 + 2 * 2 * f32 * k + f32 * Vd  # q, k l2-normalized in fp32 (input and output), v in fp32
-                 + 4 * f32 * 64 * layer.v_heads  # chunked intra-chunk matrices (chunk 64) per value head
-                 + 3 * f32 * Vd  # recurrence: new values, key/value updates
-                 + f32 * Vd + act * Vd + 2 * f32 * Vd + act * Vd)  # core output, z, gated norm, out_proj input
+                 + recurrence
+                 + act * Vd + 2 * f32 * Vd + act * Vd)  # z, gated norm, out_proj input
     return mixer + mlp + lora
 
 
@@ -206,7 +217,7 @@ def predict(shape: ModelShape, work: Workload, setup: Setup, *, world: int = 1, 
     spec = Checkpointing.parse(setup.checkpointing)
     ckpt = set(spec.layers(len(shape.layers)))
     per_layer = [layer_bytes_per_token(layer, shape, lora_dropout=setup.lora_dropout and setup.finetune == "lora",
-                                       fused=setup.fused_kernels,
+                                       fused=setup.fused_kernels, linear_kernel=setup.linear_attention,
                                        act=act) for layer in shape.layers]
     boundaries = len(ckpt) * T * shape.hidden * act  # also with offload_activations: measured (module docstring)
     kept = sum(b * T for i, b in enumerate(per_layer) if i not in ckpt)
@@ -240,11 +251,13 @@ def predict(shape: ModelShape, work: Workload, setup: Setup, *, world: int = 1, 
 def candidates(*, world: int, loss: str = "chunked", finetune: str = "lora", lora_r: int = 8, lora_dropout: bool = True,
                vision_chunk_frames: int = 64, quantize_base: str | None = None, zero_stage: int | None = None,
                checkpointing: str | None = None, offload_optimizer: bool = False,
-               offload_params: bool = False, fused_kernels: bool = False) -> list[Setup]:
+               offload_params: bool = False, fused_kernels: bool = False,
+               linear_attention: str = "torch") -> list[Setup]:
     """Configurations fastest first. Fixed choices (a given stage or checkpointing) narrow the list; a
     quantized base is included only when asked for (it changes the model, so auto never picks it alone)."""
     common = dict(loss=loss, finetune=finetune, lora_r=lora_r, lora_dropout=lora_dropout,
-                  vision_chunk_frames=vision_chunk_frames, fused_kernels=fused_kernels)
+                  vision_chunk_frames=vision_chunk_frames, fused_kernels=fused_kernels,
+                  linear_attention=linear_attention)
     order: list[dict] = [dict(zero_stage=2, checkpointing="none"),
                          dict(zero_stage=2, checkpointing="all"), dict(zero_stage=3, checkpointing="all"),
                          dict(zero_stage=3, checkpointing="all", offload_optimizer=True),
@@ -451,7 +464,10 @@ def auto_config(cfg, shape: ModelShape, work: Workload, *, world: int, gpu_mem_g
                         vision_chunk_frames=cfg.vision_chunk_frames, quantize_base=cfg.quantize_base,
                         zero_stage=fixed_stage, checkpointing=None if auto_ckpt else cfg.gradient_checkpointing,
                         offload_optimizer=cfg.offload_optimizer, offload_params=cfg.offload_params,
-                        fused_kernels=cfg.liger_kernels is True)
+                        fused_kernels=cfg.liger_kernels is True,
+                        # decided before planning (train.main routes the kernels first); "auto" undecided: the
+                        # torch fallback, which keeps more
+                        linear_attention="fla" if cfg.linear_attention == "fla" else "torch")
     choice = choose(shape, work, gpu_mem_gib=gpu_mem_gib, world=world, setups=setups)
     pick = choice.pick.setup
     resolved = dataclasses.replace(
