@@ -74,6 +74,9 @@ LEGS: dict[str, tuple[str, ...]] = {
     "auto-no-batched-vision": ("--no-batched-vision-attention",),
     "auto-no-fused-grad-checks": ("--no-fused-grad-checks",),
     # ZeRO-3 on one rank with every parameter whole: nothing to prefetch, so the prefetch bookkeeping off
+    # checkpointed layers keep their attention output (the long-window lever: only the cheap part recomputed)
+    "auto-keep-attention": ("--no-recompute-attention",),
+    "auto-liger-kernels": ("--liger-kernels",),  # Qwen3.5 (liger is on by default for Qwen3-VL only)
     "zero3-no-prefetch": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--prefetch-bucket-size", "1"),
     "zero2-vision-in-forward": ("--zero-stage", "2", "--gradient-checkpointing", "all", "--no-vision-no-grad",
                                 "--vision-chunk-frames", "0"),
@@ -126,6 +129,8 @@ def issue9_matrix() -> list[Leg]:
                                      "zero2-compile")]
     legs += [Leg(config=c) for c in ("auto-no-batched-vision", "auto-no-fused-grad-checks", "zero3-profile",
                                      "zero3-no-prefetch")]  # 35-38
+    legs += [Leg(config="auto-keep-attention", frames=512), Leg(config="auto-liger-kernels", size=q9),
+             Leg(config="auto-keep-attention", frames=1024, steps=3)]  # 39-41
     return legs
 
 
@@ -331,6 +336,7 @@ def _prediction_and_mfu(run: Path, cfg: dict, model: Path, *, step_s: float, wor
                   prefetch_bucket=float(cfg.get("prefetch_bucket_size") or 5e6), loss=loss,
                   fused_kernels=bool(cfg.get("liger_kernels")),
                   linear_attention="fla" if cfg.get("linear_attention") == "fla" else "torch",
+                  keep_attention=not cfg.get("recompute_attention", True),
                   vision_chunk_frames=int(cfg.get("vision_chunk_frames") or 0), finetune=cfg.get("finetune", "lora"),
                   lora_r=int(cfg.get("lora_r", 8)), lora_dropout=float(cfg.get("lora_dropout", 0.05)) > 0)
     pred = predict(shape, work, setup, world=world)

@@ -524,3 +524,33 @@ def test_batched_vision_attention_gives_the_tower_own_features_in_one_call_per_b
             for la, lb in zip(getattr(got, "deepstack_features", None) or [], getattr(refs[k], "deepstack_features", None) or []):
                 for a, b in zip(la, lb):
                     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_kept_attention_is_not_recomputed_and_gives_the_same_loss_and_gradients(tiny_cache, built_shards):
+    """--no-recompute-attention: every checkpointed layer's sdpa op runs once (not again in backward), and the
+    loss and LoRA gradients equal full recomputation."""
+    from train.activations import SDPA_OPS, Checkpointing, apply_checkpointing, decoder_layers
+
+    model_dir = tiny_cache / "tiny_qwen3_vl"
+    batch = _batch(model_dir, built_shards, TWO[:1])  # one unpadded sample: no mask, the sdpa kernel runs
+    spec = LossSpec(impl="chunked", vision_no_grad=True)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class AttentionRuns(TorchDispatchMode):  # outside the checkpoint's own modes: sees only real executions
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.__name__.split(".")[0] in SDPA_OPS
+            return func(*args, **(kwargs or {}))
+
+    runs, calls = {}, {}
+    for keep in (False, True):
+        model = _lora(model_dir, checkpointing=False)
+        chosen = apply_checkpointing(model.get_base_model(), Checkpointing.parse("all"), keep_attention=keep)
+        with AttentionRuns() as counter:
+            runs[keep] = _loss_and_grads(model, batch, spec)
+        calls[keep] = counter.count
+    layers = len(decoder_layers(model.get_base_model()))
+    assert chosen == list(range(layers)) and calls[True] > 0
+    assert calls[False] - calls[True] == layers, calls  # the recomputation's attention calls are gone
+    _assert_same(runs[True], runs[False], rel=1e-5)

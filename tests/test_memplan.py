@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from train.memplan import Setup, Workload, candidates, choose, predict
+from train.memplan import GIB, Setup, Workload, candidates, choose, predict
 from train.shapes import ModelShape
 
 TRAIN_MAIN = dict(loss="torch", vision_chunk_frames=0)
@@ -174,3 +174,20 @@ def test_zero_stage_auto_applies_the_pick_and_keeps_what_the_flags_fix(shapes, t
     long, choice = auto_config(cfg, s, _work(256, 26326, 15), world=1, gpu_mem_gib=12)
     # 256 frames in 12 GiB: the base on the host (ZeRO-3 parameter offload); activation offload is not offered
     assert long.offload_params and not long.offload_activations and choice.fits
+
+
+def test_kept_attention_costs_its_sdpa_outputs_per_checkpointed_layer_and_is_a_flag(shapes, tmp_path):
+    from train.config import ConfigError, parse_config
+
+    shape = shapes["qwen3_vl_4b"]
+    work = _work(512, 52695, 15)
+    base = Setup(zero_stage=2, checkpointing="all-but-12", fused_kernels=True)
+    kept = dataclasses.replace(base, keep_attention=True)
+    extra = (predict(shape, work, kept).parts["boundaries"] - predict(shape, work, base).parts["boundaries"]) * GIB
+    layers = len(shape.layers) - 12
+    assert extra == pytest.approx(layers * 52695 * (2 * shape.layers[0].q + 4 * shape.heads))
+    assert "--no-recompute-attention" in kept.flags() and "keep-attn" in kept.name()
+    assert all(s.keep_attention == (s.checkpointing != "none") for s in candidates(world=1, keep_attention=True))
+    with pytest.raises(ConfigError, match="--no-recompute-attention"):
+        parse_config(["--shards", str(tmp_path), "--output-dir", str(tmp_path), "--no-recompute-attention",
+                      "--gradient-checkpointing", "none"])

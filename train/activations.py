@@ -8,6 +8,14 @@ planner pick the least checkpointing that fits: none, else all-but-N with the la
 (train/memplan.py; `all` where no GPU memory figure exists, e.g. on CPU).
 The vision blocks are never checkpointed: a frozen tower runs without autograd (train/vision.py).
 
+`--no-recompute-attention`: the checkpointed layers keep their attention's output (torch's selective
+checkpointing saves what the sdpa op returns: output and log-sum-exp, ~q width x 2 bytes per token) and
+recompute everything else in backward. Why: the recompute repeats each layer's forward, and at long
+sequences causal attention is most of that forward (4B at 512 frames: ~23 of ~35 TFLOP per layer), while its
+output costs 1.6x a layer input; so a long window recomputes the cheap part only, for memory far below a
+layer kept whole (~43 KB per token with liger's kernels against ~13 KB). The sdpa implementation only
+(eager attention has no single op to keep).
+
 `--offload-activations`: each checkpointed layer's input (the one [tokens, hidden] tensor it keeps) is
 copied to host memory before the layer runs, and the checkpoint holds only that host copy; the layer (and
 its recompute in backward) gets a device copy made inside the checkpointed function, freed with the rest
@@ -79,15 +87,35 @@ def decoder_layers(model) -> list:
     return list(inner_model(model).language_model.layers)
 
 
-def apply_checkpointing(model, spec: Checkpointing, *, offload: bool = False) -> list[int]:
+SDPA_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _keep_attention(ctx, op, *args, **kwargs):
+    """Selective-checkpoint policy: the sdpa kernels' outputs are saved, everything else is recomputed."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    name = getattr(op, "__name__", "").split(".")[0]
+    return CheckpointPolicy.MUST_SAVE if name in SDPA_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_checkpointing(model, spec: Checkpointing, *, offload: bool = False, keep_attention: bool = False) -> list[int]:
     """Enable checkpointing on the chosen decoder layers of a transformers model (before PEFT wraps it);
-    returns the checkpointed layer indices. With `offload`, their saved inputs live in host memory."""
+    returns the checkpointed layer indices. With `offload`, their saved inputs live in host memory; with
+    `keep_attention`, their attention outputs stay saved (module docstring)."""
     if spec.every == 0:
         if offload:
             raise ValueError("--offload-activations offloads the checkpointed layers' inputs: it needs "
                              "--gradient-checkpointing other than none")
         return []
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    kwargs: dict = {"use_reentrant": False}
+    if keep_attention:
+        import functools
+
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_attention)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
     layers = decoder_layers(model)
     chosen = set(spec.layers(len(layers)))

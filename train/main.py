@@ -438,9 +438,9 @@ class Recipe:
         for p in model.parameters():
             p.requires_grad_(False)
         checkpointed = apply_checkpointing(model, Checkpointing.parse(cfg.gradient_checkpointing),
-                                           offload=cfg.offload_activations)
+                                           offload=cfg.offload_activations, keep_attention=not cfg.recompute_attention)
         self.log.event("checkpointing", spec=cfg.gradient_checkpointing, layers=checkpointed,
-                       offload=cfg.offload_activations)
+                       offload=cfg.offload_activations, recompute_attention=cfg.recompute_attention)
         torch.manual_seed(cfg.seed)  # LoRA init: the same on every rank
         if cfg.lora:
             from peft import LoraConfig, get_peft_model

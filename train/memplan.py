@@ -94,6 +94,7 @@ class Setup:
     zero_stage: int
     checkpointing: str = "all"  # all | none | every-K
     offload_activations: bool = False
+    keep_attention: bool = False  # --no-recompute-attention: checkpointed layers keep their sdpa outputs
     quantize_base: str | None = None
     offload_optimizer: bool = False
     offload_params: bool = False
@@ -110,7 +111,8 @@ class Setup:
 
     def name(self) -> str:
         parts = [f"zero{self.zero_stage}", f"ckpt-{self.checkpointing}"]
-        parts += [x for x, on in (("offload-act", self.offload_activations), ("offload-opt", self.offload_optimizer),
+        parts += [x for x, on in (("keep-attn", self.keep_attention), ("offload-act", self.offload_activations),
+                                  ("offload-opt", self.offload_optimizer),
                                   ("offload-param", self.offload_params)) if on]
         if self.quantize_base:
             parts.append(self.quantize_base)
@@ -119,7 +121,8 @@ class Setup:
     def flags(self) -> list[str]:
         """train.main flags that select this configuration."""
         out = ["--zero-stage", str(self.zero_stage), "--gradient-checkpointing", self.checkpointing]
-        out += [f for f, on in (("--offload-activations", self.offload_activations),
+        out += [f for f, on in (("--no-recompute-attention", self.keep_attention),
+                                ("--offload-activations", self.offload_activations),
                                 ("--offload-optimizer", self.offload_optimizer),
                                 ("--offload-params", self.offload_params)) if on]
         if self.quantize_base:
@@ -220,6 +223,9 @@ def predict(shape: ModelShape, work: Workload, setup: Setup, *, world: int = 1, 
                                        fused=setup.fused_kernels, linear_kernel=setup.linear_attention,
                                        act=act) for layer in shape.layers]
     boundaries = len(ckpt) * T * shape.hidden * act  # also with offload_activations: measured (module docstring)
+    if setup.keep_attention:  # the sdpa output (bf16) and its log-sum-exp (fp32 per head) of each full-attention one
+        boundaries += sum(T * (act * layer.q + 4 * shape.heads) for i, layer in enumerate(shape.layers)
+                          if i in ckpt and layer.kind == "full_attention")
     kept = sum(b * T for i, b in enumerate(per_layer) if i not in ckpt)
     grad = act * shape.intermediate * T  # the largest gradient alive beside the layer's saved tensors
     working = (max(per_layer[i] for i in ckpt) * T if ckpt else 0) + grad
@@ -252,7 +258,7 @@ def candidates(*, world: int, loss: str = "chunked", finetune: str = "lora", lor
                vision_chunk_frames: int = 64, quantize_base: str | None = None, zero_stage: int | None = None,
                checkpointing: str | None = None, offload_optimizer: bool = False,
                offload_params: bool = False, fused_kernels: bool = False,
-               linear_attention: str = "torch") -> list[Setup]:
+               linear_attention: str = "torch", keep_attention: bool = False) -> list[Setup]:
     """Configurations fastest first. Fixed choices (a given stage or checkpointing) narrow the list; a
     quantized base is included only when asked for (it changes the model, so auto never picks it alone)."""
     common = dict(loss=loss, finetune=finetune, lora_r=lora_r, lora_dropout=lora_dropout,
@@ -279,6 +285,8 @@ def candidates(*, world: int, loss: str = "chunked", finetune: str = "lora", lor
             o["checkpointing"] = checkpointing
             if checkpointing == "none":
                 o.pop("offload_activations", None)
+        if keep_attention and o["checkpointing"] != "none":
+            o["keep_attention"] = True
         if world == 1 and o["zero_stage"] == 3 and not o.get("offload_params"):
             pass  # kept: on one GPU ZeRO-3 saves nothing but stays a valid (slower) choice
         setup = Setup(**o, **common, exact=not quantize_base)
@@ -467,7 +475,8 @@ def auto_config(cfg, shape: ModelShape, work: Workload, *, world: int, gpu_mem_g
                         fused_kernels=cfg.liger_kernels is True,
                         # decided before planning (train.main routes the kernels first); "auto" undecided: the
                         # torch fallback, which keeps more
-                        linear_attention="fla" if cfg.linear_attention == "fla" else "torch")
+                        linear_attention="fla" if cfg.linear_attention == "fla" else "torch",
+                        keep_attention=not cfg.recompute_attention)
     choice = choose(shape, work, gpu_mem_gib=gpu_mem_gib, world=world, setups=setups)
     pick = choice.pick.setup
     resolved = dataclasses.replace(
