@@ -15,9 +15,13 @@ The cache (`VisionCache`, `--vision-cache-gib`): with the blocks frozen, a sampl
 every time it is seen, so they are kept per sample id and a repeat runs only the heads (the merger and the
 deepstack mergers, trained or not) over them. What the heads read is the output of the last block and of every
 deepstack block; the patch embedding, position embeddings and blocks run only on a miss, through the model's
-own `get_video_features` (their outputs are picked up by forward hooks). Exact: on CPU fp32 the cached path
-equals the model's own features bit for bit (tests/test_vision_cache.py); the first batch with misses
-checks that too, so a family whose tower does something else after its blocks fails loudly.
+own `get_video_features` (their outputs are picked up by forward hooks). Exact: the heads run the same calls
+over the same rows as the uncached path (VisionCache), so what is left is whether a window's block outputs
+depend on the other windows of the tower pass it was first computed in; they do not when a matmul's rows do
+not depend on the row count, which holds bit for bit on CPU fp32 (tests/test_vision_cache.py: the model's own
+features and a train.main run's losses, torch.equal / ==). GPU kernels chosen by matrix size may differ in the
+last bits there (unmeasured). The first batch with misses checks the heads against the model's own output, so
+a family whose tower does something else after its blocks fails loudly.
 """
 from __future__ import annotations
 
