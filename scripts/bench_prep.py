@@ -517,7 +517,7 @@ def missing_packages(args) -> list[str]:
 
     needs = {"qwen_vl_utils": "the fetch leg (pip install qwen-vl-utils)", "decord": "the floor leg (pip install decord)",
              "av": "synthetic videos and the pyav decoder (pip install av)"}
-    if args.decoder != "decord" and args.decoder != "pyav":
+    if args.decoder not in ("decord", "pyav"):  # their modules are checked above (pyav is av)
         needs[args.decoder] = f"--decoder {args.decoder}"
     if args.ray:
         needs["ray"] = "--ray (pip install ray)"

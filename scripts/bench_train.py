@@ -318,7 +318,7 @@ def _prediction_and_mfu(run: Path, cfg: dict, model: Path, *, step_s: float, wor
                         measured: float) -> dict:
     from schemas.manifest import SampleRecord, read_records
     from train.flops import peak_tflops as device_peak, step_flops
-    from train.memplan import Setup, heaviest_workload, predict
+    from train.memplan import Setup, config_levers, heaviest_workload, predict
     from train.plan import MicroBatch
     from train.shapes import ModelShape
 
@@ -335,8 +335,7 @@ def _prediction_and_mfu(run: Path, cfg: dict, model: Path, *, step_s: float, wor
                   offload_optimizer=bool(cfg.get("offload_optimizer")), offload_params=bool(cfg.get("offload_params")),
                   prefetch_bucket=float(cfg.get("prefetch_bucket_size") or 5e6), loss=loss,
                   fused_kernels=bool(cfg.get("liger_kernels")),
-                  linear_attention="fla" if cfg.get("linear_attention") == "fla" else "torch",
-                  keep_attention=not cfg.get("recompute_attention", True),
+                  **config_levers(cfg),
                   vision_chunk_frames=int(cfg.get("vision_chunk_frames") or 0), finetune=cfg.get("finetune", "lora"),
                   lora_r=int(cfg.get("lora_r", 8)), lora_dropout=float(cfg.get("lora_dropout", 0.05)) > 0)
     pred = predict(shape, work, setup, world=world)

@@ -7,17 +7,8 @@ import json
 import sys
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-
-class OpCount(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
+from tests.train_helpers import op_counter
 
 
 def main(out: str) -> None:
@@ -43,7 +34,7 @@ def main(out: str) -> None:
         result = {}
         for label, fns in (("deepspeed", {k: (lambda f: (lambda *a: f(opt, *a)))(f) for k, f in original.items()}),
                            ("fused", {k: getattr(opt, k) for k in original})):
-            counter = OpCount()
+            counter = op_counter()
             with counter:
                 overflow = bool(fns["has_overflow_partitioned_grads_serial"]())
                 norm = float(fns["get_grad_norm_direct"](grads, params))

@@ -534,22 +534,15 @@ def test_kept_attention_is_not_recomputed_and_gives_the_same_loss_and_gradients(
     model_dir = tiny_cache / "tiny_qwen3_vl"
     batch = _batch(model_dir, built_shards, TWO[:1])  # one unpadded sample: no mask, the sdpa kernel runs
     spec = LossSpec(impl="chunked", vision_no_grad=True)
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class AttentionRuns(TorchDispatchMode):  # outside the checkpoint's own modes: sees only real executions
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count += func.__name__.split(".")[0] in SDPA_OPS
-            return func(*args, **(kwargs or {}))
+    from tests.train_helpers import op_counter
 
     runs, calls = {}, {}
     for keep in (False, True):
         model = _lora(model_dir, checkpointing=False)
         chosen = apply_checkpointing(model.get_base_model(), Checkpointing.parse("all"), keep_attention=keep)
-        with AttentionRuns() as counter:
+        with op_counter(lambda name: name in SDPA_OPS) as counter:
             runs[keep] = _loss_and_grads(model, batch, spec)
-        calls[keep] = counter.count
+        calls[keep] = counter.ops
     layers = len(decoder_layers(model.get_base_model()))
     assert chosen == list(range(layers)) and calls[True] > 0
     assert calls[False] - calls[True] == layers, calls  # the recomputation's attention calls are gone

@@ -17,6 +17,21 @@ from schemas.manifest import SampleRecord, read_records, write_records
 REPO = Path(__file__).resolve().parent.parent
 
 
+def op_counter(counts=lambda name: True):
+    """A dispatch mode counting the aten ops that run inside it (those whose base name `counts` accepts).
+    Entered outside a checkpoint's own modes it sees only real executions (a cached op is not re-run)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpCount(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += bool(counts(func.__name__.split(".")[0]))
+            return func(*args, **(kwargs or {}))
+
+    return OpCount()
+
+
 def subset_shards(src: Path, dst: Path, sample_ids: list[str]) -> Path:
     """A copy of a SHARDS dir whose manifest lists only `sample_ids` (the tars are shared as-is: the trainer
     must read only what the manifest lists)."""

@@ -462,6 +462,14 @@ def without_gpu_figure(cfg):
     return dataclasses.replace(cfg, zero_stage=stage, gradient_checkpointing=ckpt)
 
 
+def config_levers(cfg: dict) -> dict:
+    """The Setup fields a train.main config (its dict: run.json's or a TrainConfig's) decides beyond stage,
+    checkpointing and offload. Qwen3.5's kernel is decided before planning (train.main routes it first); an
+    undecided "auto" plans for the torch fallback, which keeps more."""
+    return {"linear_attention": "fla" if cfg.get("linear_attention") == "fla" else "torch",
+            "keep_attention": not cfg.get("recompute_attention", True)}
+
+
 def auto_config(cfg, shape: ModelShape, work: Workload, *, world: int, gpu_mem_gib: float):
     """(cfg with the planner's pick applied, the Choice): the stage and checkpointing the flags leave to
     auto, plus any offload the pick needs; what the flags fix stays fixed (candidates narrowed to it)."""
@@ -475,8 +483,7 @@ def auto_config(cfg, shape: ModelShape, work: Workload, *, world: int, gpu_mem_g
                         fused_kernels=cfg.liger_kernels is True,
                         # decided before planning (train.main routes the kernels first); "auto" undecided: the
                         # torch fallback, which keeps more
-                        linear_attention="fla" if cfg.linear_attention == "fla" else "torch",
-                        keep_attention=not cfg.recompute_attention)
+                        **config_levers(vars(cfg)))
     choice = choose(shape, work, gpu_mem_gib=gpu_mem_gib, world=world, setups=setups)
     pick = choice.pick.setup
     resolved = dataclasses.replace(

@@ -105,9 +105,7 @@ def _run_tower(model, pixel_values_videos: torch.Tensor, video_grid_thw: torch.T
         raise ValueError(f"vision chunk of {chunk_frames} frames: must be a multiple of the temporal patch "
                          f"size {temporal}")
     chunks = plan_chunks(grids, chunk_frames // temporal if chunk_frames else 0)
-    row_start = [0]
-    for t, h, w in grids:
-        row_start.append(row_start[-1] + t * h * w)
+    row_start = _row_starts(grids)
     pooled: list[list[torch.Tensor]] = [[] for _ in grids]
     deep: list[list[list[torch.Tensor]]] = []
     states: list[list[list[torch.Tensor]]] = [[[] for _ in grids] for _ in capture]  # level, video, pieces
@@ -157,6 +155,14 @@ def _removing(hooks):
     finally:
         for h in hooks:
             h.remove()
+
+
+def _row_starts(grids: list[tuple[int, int, int]]) -> list[int]:
+    """Where each video's patch rows start in the micro-batch's pixel tensor (and where the last one ends)."""
+    starts = [0]
+    for t, h, w in grids:
+        starts.append(starts[-1] + t * h * w)
+    return starts
 
 
 def _cat(pieces: list[torch.Tensor]) -> torch.Tensor:
@@ -235,9 +241,7 @@ class VisionCache:
         self.stats.misses += len(miss)
         fresh: dict[int, list[torch.Tensor]] = {}
         if miss:
-            rows = [0]
-            for t, h, w in grids:
-                rows.append(rows[-1] + t * h * w)
+            rows = _row_starts(grids)
             only_misses = len(miss) == len(grids)
             pixels = pixel_values_videos if only_misses else \
                 torch.cat([pixel_values_videos[rows[v]:rows[v + 1]] for v in miss])
