@@ -70,7 +70,29 @@ MEASURED = [
      "H200 session 6"),
     ("qwen3_vl_4b", 64, 6617, 13, dict(zero_stage=2, checkpointing="all", fused_kernels=True), 1, 10.99, None,
      "H200 session 6"),
+    # session 7, one H200 (BENCHMARKS.md "One H200, session 7")
+    ("qwen3_vl_4b", 512, 52697, 14, dict(zero_stage=2, checkpointing="all-but-12", fused_kernels=True,
+                                         keep_attention=True), 1, 124.73, None, "H200 session 7"),
+    ("qwen3_5_9b", 64, 6619, 12, dict(zero_stage=2, checkpointing="none"), 1, 118.71, None, "H200 session 7"),
 ]
+
+
+def test_zero3_counts_the_inputs_its_linear_keeps_for_a_frozen_base(shapes):
+    """Session 7's 128-frame 12 GiB leg ran the planner's pick (ZeRO-3, all but 3 layers checkpointed, offload)
+    out of memory in the first forward at 11.56 GiB allocated plus a 0.49 GiB request; the report's sites held
+    ~2.43 GiB for each layer not checkpointed. DeepSpeed's ZeRO-3 linear saves every input, so that pick is
+    now over the budget and one layer fewer is kept. Its first forward is still under-predicted (10.1 GiB
+    against more than 12.05 measured), the gap of the checkpointed ZeRO-3 legs that no site explains yet."""
+    s, work = shapes["qwen3_vl_4b"], _work(128, 13180, 13)
+    oom = Setup(zero_stage=3, checkpointing="all-but-3", offload_optimizer=True, offload_params=True,
+                fused_kernels=True)
+    assert predict(s, work, oom).peak_gib > 12 * 0.95
+    per_layer = (predict(s, work, oom).parts["kept_layers"] / 3)
+    assert 2.2 < per_layer < 2.7  # measured ~2.43 GiB a layer by allocation site
+    z2 = dataclasses.replace(oom, zero_stage=2, offload_params=False, offload_optimizer=False)
+    assert predict(s, work, z2).parts["kept_layers"] < predict(s, work, oom).parts["kept_layers"] - 1.0
+    pick = choose(s, work, gpu_mem_gib=12, setups=candidates(world=1, fused_kernels=True)).pick.setup
+    assert pick.checkpointing == "all-but-2" and pick.offload_params
 
 
 @pytest.fixture(scope="module")
@@ -171,9 +193,12 @@ def test_zero_stage_auto_applies_the_pick_and_keeps_what_the_flags_fix(shapes, t
     assert fixed.zero_stage == 3 and all(p.setup.zero_stage == 3 for p, _ in choice.table)
     preset = TrainConfig(shards=tmp_path, output_dir=tmp_path, preset="video-ora-zero3", gradient_checkpointing="all")
     assert not needs_auto(preset) and without_gpu_figure(preset).zero_stage == 3
-    long, choice = auto_config(cfg, s, _work(256, 26326, 15), world=1, gpu_mem_gib=12)
+    fused = TrainConfig(shards=tmp_path, output_dir=tmp_path, liger_kernels=True)  # what auto runs on CUDA
+    long, choice = auto_config(fused, s, _work(256, 26326, 15), world=1, gpu_mem_gib=12)
     # 256 frames in 12 GiB: the base on the host (ZeRO-3 parameter offload); activation offload is not offered
     assert long.offload_params and not long.offload_activations and choice.fits
+    # without liger's kernels the recomputed layer's ZeRO-3 linear inputs no longer fit beside the boundaries
+    assert not auto_config(cfg, s, _work(256, 26326, 15), world=1, gpu_mem_gib=12)[1].fits
 
 
 def test_kept_attention_costs_its_sdpa_outputs_per_checkpointed_layer_and_is_a_flag(shapes, tmp_path):

@@ -68,6 +68,7 @@ from train.memory import (
     apply_mem_cap,
     device_info,
     gpu_memory_in_use,
+    history_breaks_training,
     live_allocations_by_site,
     record_allocations,
     summary_table,
@@ -406,7 +407,11 @@ class Recipe:
             # Kept alive on self: with it, from_pretrained builds the model inside deepspeed.zero.Init and
             # each rank only ever holds its partition.
             self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
-        self._recording_allocations = record_allocations(self.device.type == "cuda")  # until step 0 ends
+        record = self.device.type == "cuda"
+        if record and history_breaks_training(self.zero_stage, self.cfg.gradient_checkpointing):
+            self.log.event("allocation_history_off", reason="ZeRO-3 with checkpointed layers (pytorch#179536)")
+            record = False
+        self._recording_allocations = record_allocations(record)  # until step 0 ends
         with self.tracker.phase("load", 0):
             model, info = AutoModelForImageTextToText.from_pretrained(
                 self.model_dir, dtype=self.dtype, output_loading_info=True, attn_implementation=self.cfg.attention,

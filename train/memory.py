@@ -229,6 +229,16 @@ def record_allocations(on: bool) -> bool:
     return on
 
 
+def history_breaks_training(zero_stage: int, checkpointing: str) -> bool:
+    """Whether recording the allocation history would break the run itself. With torch 2.11 on one H200,
+    ZeRO-3 with checkpointed layers failed in the first forward with "SystemError: <built-in method apply of
+    FunctionMeta> returned NULL without setting an exception" inside DeepSpeed's and liger's autograd
+    Functions while recording (two legs; without recording the same legs ran), the regression reported as
+    pytorch/pytorch#179536 (recording + activation checkpointing + a custom autograd Function). ZeRO-2 with
+    checkpointed layers recorded fine in the same call, so only this combination goes without."""
+    return zero_stage == 3 and checkpointing != "none"
+
+
 def live_allocations_by_site(snapshot: dict, *, top: int = 20) -> list[dict]:
     """The allocated blocks of a `torch.cuda.memory._snapshot()` grouped by where they were allocated (the
     first two stack frames outside torch itself, e.g. a model's line and its caller), largest first."""

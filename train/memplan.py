@@ -147,19 +147,23 @@ class Prediction:
 
 
 def layer_bytes_per_token(layer: LayerShape, shape: ModelShape, *, lora_dropout: bool, act: int = 2,
-                          fused: bool = False, linear_kernel: str = "torch") -> float:
+                          fused: bool = False, linear_kernel: str = "torch", zero3: bool = False) -> float:
     """Bytes one decoder layer saves for backward per token (bf16 activations, fp32 where the code upcasts).
     `fused` (liger's kernels): an RMSNorm keeps its bf16 input (and one fp32 rstd per row) instead of an fp32
     copy, SwiGLU keeps gate and up and recomputes the activation (one H200, 4B at 64 frames without
     checkpointing: 54.61 -> 44.74 GiB measured, this counts 40 of the 43 KB per token and layer).
-    `linear_kernel`: what Qwen3.5's gated-delta-rule layers run (fla or transformers' torch fallback)."""
+    `linear_kernel`: what Qwen3.5's gated-delta-rule layers run (fla or transformers' torch fallback).
+    `zero3`: DeepSpeed's ZeRO-3 runs every linear through LinearFunctionForZeroStage3, which saves its input
+    whether the weight trains or not (its memory-efficient linear, on by default), so a frozen base keeps the
+    projections' inputs too (one H200, 4B at 128 frames under a 12 GiB cap, three layers not checkpointed:
+    the OOM report's allocation sites held ~2.45 GiB a layer where this counted 1.96 without it)."""
     H, I = shape.hidden, shape.intermediate
     f32 = act if fused else 4  # what a norm keeps per element
     lora = sum(n * w for w, n in layer.lora_inputs.items()) * (act + 1) if lora_dropout else 0  # output + mask
     # A projection's input is kept by whatever needs it for a weight gradient: the LoRA A matrix (no dropout)
     # or a trainable base weight. With LoRA dropout only the dropout outputs (above) are kept: the frozen
     # base needs no input, so the norms' bf16 outputs and the MLP's product go once the layer has run.
-    shared = 0 if lora_dropout else act
+    shared = 0 if lora_dropout and not zero3 else act
     mlp = f32 * H + shared * H + (2 if fused else 3) * act * I + shared * I  # norm, input, gate / act / up, product
     if layer.kind == "full_attention":
         q, kv = layer.q, layer.kv
@@ -221,7 +225,7 @@ def predict(shape: ModelShape, work: Workload, setup: Setup, *, world: int = 1, 
     ckpt = set(spec.layers(len(shape.layers)))
     per_layer = [layer_bytes_per_token(layer, shape, lora_dropout=setup.lora_dropout and setup.finetune == "lora",
                                        fused=setup.fused_kernels, linear_kernel=setup.linear_attention,
-                                       act=act) for layer in shape.layers]
+                                       zero3=stage == 3, act=act) for layer in shape.layers]
     boundaries = len(ckpt) * T * shape.hidden * act  # also with offload_activations: measured (module docstring)
     if setup.keep_attention:  # the sdpa output (bf16) and its log-sum-exp (fp32 per head) of each full-attention one
         boundaries += sum(T * (act * layer.q + 4 * shape.heads) for i, layer in enumerate(shape.layers)
