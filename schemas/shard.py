@@ -123,8 +123,10 @@ class ShardReader:
         """member name -> (data offset, size) of a shard (scanned once, headers only)."""
         return self._scan(shard).members
 
-    def check(self, record: SampleRecord) -> ReadResult:
-        """Read a sample's members and check each against the record; every problem is returned."""
+    def check(self, record: SampleRecord, *, frames: bool = True) -> ReadResult:
+        """Read a sample's members and check each against the record; every problem is returned. frames=False:
+        the JSON member only (its frames are neither read nor checked; `frames` of the result is empty), for a
+        reader that has what it derives from them already (the trainer's vision cache)."""
         errors: list[ShardError] = []
         shard, sid = record.shard, record.sample_id
         try:
@@ -151,7 +153,7 @@ class ShardReader:
             return data
 
         sample = None
-        frames: list[bytes | None] = []
+        frame_bytes: list[bytes | None] = []
         with open(self.root / shard, "rb") as f:
             json_name = f"{record.key}.{JSON_EXT}"
             raw = member(f, json_name)
@@ -168,24 +170,25 @@ class ShardReader:
                 elif ids_sha256(sample.input_ids) != record.input_ids_sha256:
                     fail(json_name, "holds input_ids whose sha256 differs from the one recorded at build time "
                                     "(damaged after the build)")
-            for i in range(record.num_frames):
+            for i in range(record.num_frames if frames else 0):
                 name = f"{record.key}.{frame_ext(i)}"
                 data = member(f, name)
                 if data is not None and i < len(record.frame_sha256) and hashlib.sha256(data).hexdigest() != record.frame_sha256[i]:
                     fail(name, "differs from the bytes written at build time (sha256 mismatch: damaged after the build)")
                     data = None
-                frames.append(data)
+                frame_bytes.append(data)
         if len(record.frame_sha256) != record.num_frames:
             errors.append(ShardError(f"sample {sid}: the record lists {len(record.frame_sha256)} frame digests for "
                                      f"num_frames={record.num_frames}", shard=shard, sample_id=sid))
         expected = {json_name} | {f"{record.key}.{frame_ext(i)}" for i in range(record.num_frames)}
         for name in sorted(n for n in idx.members if n.split(".", 1)[0] == record.key and n not in expected):
             fail(name, f"is not part of the sample (num_frames={record.num_frames})")
-        return ReadResult(sample=sample, frames=frames, errors=errors)
+        return ReadResult(sample=sample, frames=frame_bytes, errors=errors)
 
-    def read(self, record: SampleRecord) -> tuple[ShardSample, list[bytes]]:
-        """The sample's JSON and JPEG bytes, exactly as recorded; raises the first ShardError otherwise."""
-        got = self.check(record)
+    def read(self, record: SampleRecord, *, frames: bool = True) -> tuple[ShardSample, list[bytes]]:
+        """The sample's JSON and JPEG bytes (frames=False: no JPEG bytes, see `check`), exactly as recorded;
+        raises the first ShardError otherwise."""
+        got = self.check(record, frames=frames)
         if got.errors:
             raise got.errors[0]
         return got.sample, got.frames

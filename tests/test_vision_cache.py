@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.train_helpers import events, explain, launch, steps, subset_shards
-from train.vision import VisionCache, cache_problems, cached_levels, encode_videos
+from train.vision import WITH_PIXELS_KEY, VisionCache, cache_problems, cached_levels, encode_videos, entry_bytes
 
 IDS = ["vid_a/w0002", "vid_c/w0000", "vid_b/w0001"]  # two grids (landscape, portrait), three samples
 
@@ -112,6 +112,40 @@ def test_the_bound_stops_storing_and_a_wrong_grid_or_missing_keys_fail(tiny_cach
         encode_videos(model, pixels, grids, cache=VisionCache(1 << 30), keys=IDS)
 
 
+def test_planned_hits_load_without_frames_and_give_the_model_own_features(tiny_cache, built_shards):
+    """VisionCache.plan with room for two of three samples: the loader reads the planned hits without their
+    frames (no pixel rows), every micro-batch still encodes to the model's own features from full pixels, and
+    the cache stores exactly what was planned; a miss that comes without pixels fails."""
+    from train.data import MicroBatchDataset, SampleStore, VisionSpec
+    from train.plan import MicroBatch
+
+    model = _model(tiny_cache, "qwen3_vl")
+    store = SampleStore(built_shards)
+    grid = {sid: (r.grid_t, r.grid_h, r.grid_w) for sid in IDS for r in [store.record(sid)]}
+    sizes = {sid: entry_bytes(model, grid[sid]) for sid in IDS}
+    order = [[IDS[0], IDS[1]], [IDS[1], IDS[2]], [IDS[2], IDS[0]], [IDS[1], IDS[1]]]
+    cache = VisionCache(sizes[IDS[0]] + sizes[IDS[1]])  # IDS[2] never fits
+    hits = cache.plan(order, sizes)
+    assert hits == [[False, False], [True, False], [False, True], [True, True]]
+    data = MicroBatchDataset(store, [MicroBatch(sample_ids=ids, repeat=[False] * len(ids)) for ids in order],
+                             VisionSpec.from_model_config(model.config), video_token_id=model.config.video_token_id,
+                             pad_token_id=0, cached=hits)
+    for i, ids in enumerate(order):
+        tensors, _ = data[i]
+        rows = sum(grid[sid][0] * grid[sid][1] * grid[sid][2] for sid, hit in zip(ids, hits[i]) if not hit)
+        assert tensors["pixel_values_videos"].shape[0] == rows
+        assert (WITH_PIXELS_KEY in tensors) == any(hits[i])
+        pixels, grids = _videos(model, built_shards, ids)
+        with torch.no_grad():
+            ref = model.model.get_video_features(pixels, grids, return_dict=True)
+        _assert_equal(encode_videos(model, tensors["pixel_values_videos"], tensors["video_grid_thw"], no_grad=False,
+                                    cache=cache, keys=ids, with_pixels=tensors.get(WITH_PIXELS_KEY)), ref)
+    assert (cache.stats.entries, cache.stats.not_stored, cache.stats.hits) == (2, 2, 4)
+    with pytest.raises(RuntimeError, match="came without pixels but are not cached"):
+        encode_videos(model, pixels[:0], grids, cache=VisionCache(1 << 30), keys=ids,
+                      with_pixels=torch.tensor([False, False]))
+
+
 def test_a_tower_whose_frozen_part_changes_is_refused(tiny_cache):
     model = _model(tiny_cache, "qwen3_vl")
     assert cache_problems(model) == []
@@ -146,6 +180,8 @@ def test_train_main_with_the_cache_gives_the_same_losses(built_shards, tiny_cach
     assert on[5]["vision_cache"] == {"hits": 9, "misses": 3} and off[5]["vision_cache"] is None
     (summary,) = events(tmp_path / "on", 0, "vision_cache")
     assert summary["entries"] == 3 and summary["checked"] and summary["not_stored"] == 0
+    (plan,) = events(tmp_path / "on", 0, "vision_cache_plan")  # the hits were loaded without their frames
+    assert (plan["stored"], plan["loaded_without_frames"], plan["loads"]) == (3, 9, 12)
     refused = launch(["--shards", str(shards), "--output-dir", str(tmp_path / "refused"), "--model",
                       str(tiny_cache / "tiny_qwen3_vl"), "--finetune", "full", "--unfreeze-vision", "--epochs", "1",
                       "--micro-batch-size", "1", "--zero-stage", "0", "--dtype", "fp32", "--num-workers", "0",

@@ -26,6 +26,7 @@ from schemas.manifest import SampleRecord, read_records
 from schemas.prompt import layout_refusal
 from schemas.shard import ShardError, ShardReader
 from train.plan import MicroBatch
+from train.vision import WITH_PIXELS_KEY
 
 IGNORE_INDEX = -100  # label of positions without a loss (prompt and padding)
 VIDEO_TOKEN_TYPE = 2  # mm_token_type_ids value on <|video_pad|> (0 = text, 1 = image)
@@ -46,7 +47,7 @@ class LoadedSample:
     record: SampleRecord
     input_ids: list[int]  # prompt (video blocks expanded) + answer + <|im_end|>
     prompt_tokens: int  # leading positions without a label
-    frames: np.ndarray  # uint8 (T, H, W, 3), RGB, at (record.height, record.width)
+    frames: np.ndarray | None  # uint8 (T, H, W, 3), RGB, at (record.height, record.width); None: not read
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -92,12 +93,13 @@ class SampleStore:
         if why:
             raise PreflightError(why)
 
-    def get(self, sample_id: str) -> LoadedSample:
+    def get(self, sample_id: str, *, frames: bool = True) -> LoadedSample:
+        """The sample with its decoded frames; frames=False: its tokens only (no JPEG read, decoded or checked)."""
         record = self.record(sample_id)
-        meta, jpegs = self.reader.read(record)
-        frames = [_decode_jpeg(data, record, i) for i, data in enumerate(jpegs)]
+        meta, jpegs = self.reader.read(record, frames=frames)
+        decoded = np.stack([_decode_jpeg(data, record, i) for i, data in enumerate(jpegs)]) if frames else None
         return LoadedSample(record=record, input_ids=meta.input_ids, prompt_tokens=meta.prompt_tokens,
-                            frames=np.stack(frames))
+                            frames=decoded)
 
 
 def _decode_jpeg(data: bytes, record: SampleRecord, i: int) -> np.ndarray:
@@ -203,16 +205,19 @@ def collate(
     video_token_id: int,
     pad_token_id: int,
     repeat: Sequence[bool] | None = None,
-    pixels: Sequence[torch.Tensor] | None = None,
+    pixels: Sequence[torch.Tensor | None] | None = None,
     pack: bool = False,
 ) -> tuple[dict[str, torch.Tensor], BatchMeta]:
     """Model inputs of a micro-batch, and its metadata: right-padded rows, or with `pack` one row holding the
     samples back to back (plus `pack_lengths`, from which train/packing.py builds per-sample positions).
-    `pixels` (already patchified, one per sample) skips patchify."""
+    `pixels` (already patchified, one per sample) skips patchify; a None there is a sample whose pixels the
+    vision cache does not need (its rows are left out of `pixel_values_videos`, and `WITH_PIXELS_KEY` says
+    which samples have rows there)."""
     if not samples:
         raise ValueError("collate needs at least one sample")
     if pixels is None:
         pixels = [patchify(s.frames, spec)[0] for s in samples]
+    held = [p for p in pixels if p is not None]
     lengths = [len(s.input_ids) for s in samples]
     offsets = [0] * len(samples) if not pack else [sum(lengths[:i]) for i in range(len(samples))]
     n, longest = (len(samples), max(lengths)) if not pack else (1, sum(lengths))
@@ -235,9 +240,12 @@ def collate(
         "attention_mask": attention_mask,
         "mm_token_type_ids": mm_token_type_ids,
         # one sample per micro-batch is the common case: skip the copy
-        "pixel_values_videos": pixels[0] if len(pixels) == 1 else torch.cat(list(pixels), dim=0),
+        "pixel_values_videos": (held[0] if len(held) == 1 else torch.cat(held, dim=0)) if held
+        else torch.zeros((0, spec.patch_dim)),
         "video_grid_thw": torch.tensor(grids, dtype=torch.long),
     }
+    if len(held) < len(pixels):
+        tensors[WITH_PIXELS_KEY] = torch.tensor([p is not None for p in pixels])
     if pack:
         tensors["pack_lengths"] = torch.tensor(lengths, dtype=torch.long)
     meta = BatchMeta(
@@ -288,16 +296,19 @@ def preflight(
                                 f"expected {r.answer + '<|im_end|>'!r}")
         if video_token_id is None:
             video_token_id = tokenizer.convert_tokens_to_ids("<|video_pad|>")
-    f = sample.frames
+    f = sample.frames  # None: loaded without frames (their checks ran when they were read)
     if pixels is not None:
         rows = pixels.shape[0]
         if pixels.shape[1] != spec.patch_dim:
             problems.append(f"pixel rows have {pixels.shape[1]} values, the vision tower takes {spec.patch_dim}")
-    else:
+    elif f is not None:
         rows = (f.shape[0] // spec.temporal_patch_size) * (f.shape[1] // spec.patch_size) * (f.shape[2] // spec.patch_size)
+    else:
+        rows = None
     problems = r.problems(patch_size=spec.patch_size, temporal_patch_size=spec.temporal_patch_size,
                           merge_size=spec.merge_size, input_ids=ids, prompt_tokens=sample.prompt_tokens,
-                          video_token_id=video_token_id, frames_shape=tuple(f.shape[:3]), pixel_rows=rows) + problems
+                          video_token_id=video_token_id, frames_shape=tuple(f.shape[:3]) if f is not None else None,
+                          pixel_rows=rows) + problems
     if problems:
         raise PreflightError(f"sample {r.sample_id}: " + "; ".join(problems))
 
@@ -326,13 +337,20 @@ def preflight_records(
 
 class MicroBatchDataset(torch.utils.data.Dataset):
     """Item i = the collated micro-batch i of one rank's plan. Map-style with a sequential sampler, so the
-    DataLoader returns items in plan order whatever the number of workers."""
+    DataLoader returns items in plan order whatever the number of workers. `cached[i][j]`: sample j of
+    micro-batch i will be a vision-cache hit (VisionCache.plan), so its frames are not read: after the cache's
+    first epoch a batch is a few JSON members, not 128 JPEG decodes competing with the step for the cores."""
 
     def __init__(self, store: SampleStore, micro_batches: Sequence[MicroBatch], spec: VisionSpec, *,
                  video_token_id: int, pad_token_id: int, tokenizer=None, pixel_dtype: torch.dtype = torch.float32,
-                 pack: bool = False):
+                 pack: bool = False, cached: Sequence[Sequence[bool]] | None = None):
         self.store = store
         self.micro_batches = list(micro_batches)
+        self.cached = [list(c) for c in cached] if cached is not None else [[False] * len(mb.sample_ids)
+                                                                             for mb in self.micro_batches]
+        if len(self.cached) != len(self.micro_batches) or any(
+                len(c) != len(mb.sample_ids) for c, mb in zip(self.cached, self.micro_batches)):
+            raise ValueError("cached: one flag per sample of every micro-batch")
         self.spec = spec
         self.video_token_id = video_token_id
         self.pad_token_id = pad_token_id
@@ -351,13 +369,13 @@ class MicroBatchDataset(torch.utils.data.Dataset):
 
     def _load(self, i: int) -> tuple[dict[str, torch.Tensor], BatchMeta]:
         mb = self.micro_batches[i]
-        samples = [self.store.get(sid) for sid in mb.sample_ids]
+        samples = [self.store.get(sid, frames=not hit) for sid, hit in zip(mb.sample_ids, self.cached[i])]
         pixels = []
         for s in samples:
-            px, _ = patchify(s.frames, self.spec)
+            px = patchify(s.frames, self.spec)[0] if s.frames is not None else None
             # Every sample is checked as it loads, so a bad one fails with its id, not as a shape error.
             preflight(s, tokenizer=self.tokenizer, spec=self.spec, video_token_id=self.video_token_id, pixels=px)
-            pixels.append(px.to(self.pixel_dtype))
+            pixels.append(px.to(self.pixel_dtype) if px is not None else None)
         return collate(samples, self.spec, video_token_id=self.video_token_id, pad_token_id=self.pad_token_id,
                        repeat=mb.repeat, pixels=pixels, pack=self.pack)
 
@@ -406,14 +424,16 @@ def rank_loader(
     pin_memory: bool | None = None,
     pixel_dtype: torch.dtype = torch.float32,
     pack: bool = False,
+    cached: Sequence[Sequence[bool]] | None = None,
 ) -> PlanLoader:
     """Loader yielding (tensors, BatchMeta) for one rank's micro-batches, exactly in the given order,
-    prepared ahead by `num_workers` worker processes. With `tokenizer`, each sample's answer span is checked.
+    prepared ahead by `num_workers` worker processes. With `tokenizer`, each sample's answer span is checked;
+    `cached` (VisionCache.plan): the samples loaded without frames.
     A sample that cannot be read as the build wrote it (or fails pre-flight) raises its own error, naming
     shard, member and sample, when its micro-batch is next: before it reaches the model."""
     store.index_for([sid for mb in micro_batches for sid in mb.sample_ids])
     dataset = MicroBatchDataset(store, micro_batches, spec, video_token_id=video_token_id, pad_token_id=pad_token_id,
-                                tokenizer=tokenizer, pixel_dtype=pixel_dtype, pack=pack)
+                                tokenizer=tokenizer, pixel_dtype=pixel_dtype, pack=pack, cached=cached)
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
     return PlanLoader(torch.utils.data.DataLoader(

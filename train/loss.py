@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from train.data import IGNORE_INDEX
 from train.packing import unpack_inputs
-from train.vision import ENCODER_KEY, VisionCache, encode_videos, unwrap
+from train.vision import ENCODER_KEY, WITH_PIXELS_KEY, VisionCache, encode_videos, unwrap
 
 LOSS_IMPLS = ("auto", "torch", "chunked", "liger")
 
@@ -117,15 +117,17 @@ def causal_lm_loss(model, batch: dict[str, torch.Tensor], spec: LossSpec | None 
     spec = spec or LossSpec(impl="torch", full_logits=full_logits)
     batch = dict(unpack_inputs(model, batch))  # a packed row: per-sample positions, boundaries (train/packing.py)
     labels = batch.pop("labels")
+    with_pixels = batch.pop(WITH_PIXELS_KEY, None)  # hits loaded without frames: only the cache can serve them
     mask = batch.get("attention_mask")
     if mask is not None and bool(mask.all()):
         # No padding: causal alone is the mask, so none is passed (sdpa then runs is_causal, no [L, L] tensor).
         del batch["attention_mask"]
-    if (spec.precompute_vision or vision_cache is not None) and batch.get("pixel_values_videos") is not None:
+    if (spec.precompute_vision or vision_cache is not None or with_pixels is not None) and \
+            batch.get("pixel_values_videos") is not None:
         pixels = batch.pop("pixel_values_videos")
         batch["mm_encoder_outputs"] = {ENCODER_KEY: encode_videos(
             model, pixels, batch["video_grid_thw"], chunk_frames=spec.vision_chunk_frames,
-            no_grad=spec.vision_no_grad, cache=vision_cache, keys=sample_ids)}
+            no_grad=spec.vision_no_grad, cache=vision_cache, keys=sample_ids, with_pixels=with_pixels)}
     if spec.full_logits:
         return model(**batch, labels=labels).loss
     supervised = torch.zeros_like(labels, dtype=torch.bool)

@@ -95,7 +95,7 @@ from train.profile import StepProfiler
 from train.plan import PlanConfig, PlanError, global_steps, plan_run, total_steps
 from train.run_record import build_run_record, update_run_record, write_json
 from train.zero import fuse_gradient_checks, mark_leaf_layers, sharding_report
-from train.vision import VisionCache, cache_problems
+from train.vision import VisionCache, cache_problems, entry_bytes
 
 EXIT_USAGE = 2
 EXIT_OOM = 3
@@ -290,10 +290,17 @@ class Recipe:
         # 9. Data: this rank's micro-batches from the resume point on, read and collated ahead by workers.
         self.steps = list(global_steps(self.plans, self.dp_rank, start=self.start_step))
         micro_batches = [mb for _, _, _, accum in self.steps for mb in accum]
+        cached = None
+        if self.vision_cache is not None:  # the hits it will have, so their frames are never read
+            records = {sid: self.store.record(sid) for mb in micro_batches for sid in mb.sample_ids}
+            sizes = {sid: entry_bytes(self.model, (r.grid_t, r.grid_h, r.grid_w)) for sid, r in records.items()}
+            cached = self.vision_cache.plan([mb.sample_ids for mb in micro_batches], sizes)
+            self.log.event("vision_cache_plan", samples=len(sizes), stored=self.vision_cache.planned_entries,
+                           loaded_without_frames=sum(map(sum, cached)), loads=sum(map(len, cached)))
         self.loader = rank_loader(
             self.store, micro_batches, self.vision, video_token_id=self.model_config.video_token_id,
             pad_token_id=self._pad_id(), tokenizer=self.tokenizer, num_workers=cfg.num_workers,
-            pixel_dtype=self.dtype, pack=cfg.pack)
+            pixel_dtype=self.dtype, pack=cfg.pack, cached=cached)
 
     def _report_gpu_memory(self) -> None:
         """Before anything loads: what other processes already hold on the GPUs (a shared card is the usual

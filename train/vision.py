@@ -22,6 +22,11 @@ not depend on the row count, which holds bit for bit on CPU fp32 (tests/test_vis
 features and a train.main run's losses, torch.equal / ==). GPU kernels chosen by matrix size may differ in the
 last bits there (unmeasured). The first batch with misses checks the heads against the model's own output, so
 a family whose tower does something else after its blocks fails loudly.
+
+What a hit does not need is its pixels: `VisionCache.plan` decides before training, from the rank's micro-batches in
+order and each sample's entry size, which samples every micro-batch will find cached (the rule `_store` then
+follows), and the loader reads those without their frames (train/data.py). A miss that comes without pixels is an
+error, never a silent zero.
 """
 from __future__ import annotations
 
@@ -32,6 +37,9 @@ import torch
 
 # The language model's forward takes precomputed vision outputs under this key (transformers 5.x).
 ENCODER_KEY = "video"
+# A micro-batch whose cache hits were loaded without frames (VisionCache.plan) carries this bool tensor: which
+# samples have their rows in pixel_values_videos. Read by the cache, never passed to the model.
+WITH_PIXELS_KEY = "videos_with_pixels"
 
 
 def unwrap(model):
@@ -82,14 +90,17 @@ def plan_chunks(grids: list[tuple[int, int, int]], groups_per_chunk: int) -> lis
 
 def encode_videos(model, pixel_values_videos: torch.Tensor, video_grid_thw: torch.Tensor, *,
                   chunk_frames: int = 0, no_grad: bool = True, cache: VisionCache | None = None,
-                  keys: list[str] | None = None):
+                  keys: list[str] | None = None, with_pixels: torch.Tensor | None = None):
     """The model's own video features (pooler output per video, deepstack features where the family has
     them), computed `chunk_frames` frames at a time (0: the whole batch at once) and under no_grad when
-    asked; with a cache, the videos whose `keys` (sample ids) it holds run only the heads. Returns the object
+    asked; with a cache, the videos whose `keys` (sample ids) it holds run only the heads. `with_pixels`
+    (WITH_PIXELS_KEY): which videos have rows in `pixel_values_videos` (None: all). Returns the object
     `get_video_features` returns, ready for `mm_encoder_outputs`."""
     if cache is not None:
         return cache.encode(model, pixel_values_videos, video_grid_thw, keys, chunk_frames=chunk_frames,
-                            no_grad=no_grad)
+                            no_grad=no_grad, with_pixels=with_pixels)
+    if with_pixels is not None and not bool(with_pixels.all()):
+        raise RuntimeError("videos without pixels (a vision-cache plan) but no vision cache to read them from")
     return _run_tower(model, pixel_values_videos, video_grid_thw, chunk_frames=chunk_frames, no_grad=no_grad)[0]
 
 
@@ -198,6 +209,14 @@ def cached_levels(visual) -> tuple[int, ...]:
     return tuple(sorted({*getattr(visual, "deepstack_visual_indexes", ()), len(visual.blocks) - 1}))
 
 
+def entry_bytes(model, grid: tuple[int, int, int]) -> int:
+    """What one sample's cache entry holds: each cached block's output over its t*h*w patch rows, in the
+    tower's dtype (the size `_store` counts, known before anything runs)."""
+    visual = inner_model(model).visual
+    t, h, w = grid
+    return len(cached_levels(visual)) * t * h * w * int(visual.config.hidden_size) * visual.dtype.itemsize
+
+
 @dataclasses.dataclass(kw_only=True)
 class CacheStats:
     """What the cache did over a run (logged per step as counts, and in full at the end)."""
@@ -225,9 +244,35 @@ class VisionCache:
         self.stats = CacheStats()
         self._entries: dict[str, tuple[tuple[int, int, int], list[torch.Tensor]]] = {}
         self._output_type = None
+        self._planned: dict[str, int] | None = None  # plan(): the samples it will store, with their sizes
+
+    def _fits(self, held_bytes: int, size: int) -> bool:
+        """The one admission rule: an entry is stored at its first miss while it fits under the bound."""
+        return held_bytes + size <= self.max_bytes
+
+    def plan(self, micro_batches: list[list[str]], sizes: dict[str, int]) -> list[list[bool]]:
+        """Before training: which samples of each micro-batch (sample ids, in the order this rank encodes them;
+        `sizes`: entry_bytes per sample) will be hits. A sample is stored at its first micro-batch while it
+        fits (`_fits`, as `_store` does it) and is a hit in every later one; the loader reads the hits without
+        their frames. From here on the cache stores exactly the planned samples (a disagreement raises)."""
+        held: dict[str, int] = {}
+        total, hits = 0, []
+        for ids in micro_batches:
+            hits.append([sid in held for sid in ids])
+            for sid in ids:
+                if sid not in held and self._fits(total, sizes[sid]):
+                    held[sid] = sizes[sid]
+                    total += sizes[sid]
+        self._planned = held
+        return hits
+
+    @property
+    def planned_entries(self) -> int | None:
+        """How many samples plan() decided to store (None: no plan, entries are admitted as they come)."""
+        return None if self._planned is None else len(self._planned)
 
     def encode(self, model, pixel_values_videos: torch.Tensor, video_grid_thw: torch.Tensor, keys: list[str] | None,
-               *, chunk_frames: int, no_grad: bool):
+               *, chunk_frames: int, no_grad: bool, with_pixels: torch.Tensor | None = None):
         grids = [tuple(int(x) for x in g) for g in video_grid_thw.tolist()]
         if keys is None or len(keys) != len(grids):
             raise ValueError(f"the vision cache needs one key (sample id) per video: {len(grids)} videos, keys {keys}")
@@ -237,11 +282,15 @@ class VisionCache:
         visual = inner_model(model).visual
         levels = cached_levels(visual)
         miss = [v for v, k in enumerate(keys) if k not in self._entries]
+        present = [True] * len(grids) if with_pixels is None else [bool(x) for x in with_pixels.tolist()]
+        if lacking := [keys[v] for v in miss if not present[v]]:
+            raise RuntimeError(f"vision cache: samples {lacking} came without pixels but are not cached (the "
+                               "loader's plan and the cache disagree)")
         self.stats.hits += len(grids) - len(miss)
         self.stats.misses += len(miss)
         fresh: dict[int, list[torch.Tensor]] = {}
         if miss:
-            rows = _row_starts(grids)
+            rows = _row_starts([g if p else (0, 0, 0) for g, p in zip(grids, present)])
             only_misses = len(miss) == len(grids)
             pixels = pixel_values_videos if only_misses else \
                 torch.cat([pixel_values_videos[rows[v]:rows[v + 1]] for v in miss])
@@ -289,9 +338,16 @@ class VisionCache:
         if key in self._entries:  # the same sample twice in one micro-batch (tail=pad repeats)
             return
         size = sum(t.numel() * t.element_size() for t in states)
-        if self.stats.bytes + size > self.max_bytes:
+        if self._planned is not None and self._planned.get(key, size) != size:
+            raise RuntimeError(f"vision cache: sample {key}'s entry is {size} bytes, its plan said {self._planned[key]}")
+        if not self._fits(self.stats.bytes, size):
+            if self._planned is not None and key in self._planned:
+                raise RuntimeError(f"vision cache: sample {key} was planned in but does not fit (the plan and the "
+                                   "cache disagree)")
             self.stats.not_stored += 1
             return
+        if self._planned is not None and key not in self._planned:
+            raise RuntimeError(f"vision cache: sample {key} fits but was planned out (the plan and the cache disagree)")
         self._entries[key] = (grid, [t.clone() for t in states])  # not views that keep a whole chunk alive
         self.stats.entries += 1
         self.stats.bytes += size
