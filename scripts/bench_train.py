@@ -76,6 +76,7 @@ LEGS: dict[str, tuple[str, ...]] = {
     # ZeRO-3 on one rank with every parameter whole: nothing to prefetch, so the prefetch bookkeeping off
     # checkpointed layers keep their attention output (the long-window lever: only the cheap part recomputed)
     "auto-keep-attention": ("--no-recompute-attention",),
+    "auto-recompute-attention": ("--recompute-attention",),  # what auto picked before it could keep them
     "auto-liger-kernels": ("--liger-kernels",),  # Qwen3.5 (liger is on by default for Qwen3-VL only)
     "zero3-no-prefetch": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--prefetch-bucket-size", "1"),
     "zero2-vision-in-forward": ("--zero-stage", "2", "--gradient-checkpointing", "all", "--no-vision-no-grad",
@@ -131,6 +132,7 @@ def issue9_matrix() -> list[Leg]:
                                      "zero3-no-prefetch")]  # 35-38
     legs += [Leg(config="auto-keep-attention", frames=512), Leg(config="auto-liger-kernels", size=q9),
              Leg(config="auto-keep-attention", frames=1024, steps=3)]  # 39-41
+    legs += [Leg(config="auto-recompute-attention", frames=512)]  # 42
     return legs
 
 

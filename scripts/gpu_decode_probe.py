@@ -456,7 +456,8 @@ def table(res: dict) -> str:
               "|---|---|---|---|---|---|---|---|---|"]
     for name, p in (res.get("parity") or {}).items():
         if not isinstance(p, dict) or "error" in p:
-            lines.append(f"| {name} | error: {(p or {}).get('error', '?')[:120]} | | | | | | | |")
+            why = p.get("error", "?") if isinstance(p, dict) else str(p)  # a failed stage records its text
+            lines.append(f"| {name} | error: {why[:120]} | | | | | | | |")
             continue
         lines.append(f"| {name} | {p['codec']} {p['size'][0]}x{p['size'][1]} r{p['rotation']} | "
                      f"{p['frames_compared']}/{p['frames_asked']} | {p['decode_mean_max']} | {p['decode_peak_max']} | "

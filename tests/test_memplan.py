@@ -216,3 +216,30 @@ def test_kept_attention_costs_its_sdpa_outputs_per_checkpointed_layer_and_is_a_f
     with pytest.raises(ConfigError, match="--no-recompute-attention"):
         parse_config(["--shards", str(tmp_path), "--output-dir", str(tmp_path), "--no-recompute-attention",
                       "--gradient-checkpointing", "none"])
+
+
+def test_auto_keeps_attention_where_that_recomputes_fewer_flops(shapes, tmp_path):
+    """The two 512-frame picks measured side by side on one H200 in session 7 (kept attention + all-but-12
+    8.29 s, all-but-13 9.12 s): auto now takes the kept one; where nothing is checkpointed it changes nothing,
+    and without a GPU figure attention is recomputed."""
+    from train.config import TrainConfig
+    from train.memplan import auto_config, recompute_flops, without_gpu_figure
+
+    s, work = shapes["qwen3_vl_4b"], _work(512, 52697, 14)
+    fused = candidates(world=1, fused_kernels=True)
+    plain = choose(s, work, gpu_mem_gib=139.29, setups=fused).pick.setup
+    kept = choose(s, work, gpu_mem_gib=139.29, setups=fused, decide_attention=True).pick.setup
+    assert (plain.checkpointing, plain.keep_attention) == ("all-but-13", False)  # session 7's 512f auto leg
+    assert (kept.checkpointing, kept.keep_attention) == ("all-but-12", True)  # its kept-attention leg
+    assert recompute_flops(s, work, kept) < 0.5 * recompute_flops(s, work, plain)
+    short = choose(s, _work(64, 6617, 13), gpu_mem_gib=139.29, setups=fused, decide_attention=True).pick.setup
+    assert (short.checkpointing, short.keep_attention) == ("none", False)
+
+    cfg = TrainConfig(shards=tmp_path, output_dir=tmp_path, liger_kernels=True)
+    assert cfg.recompute_attention is None
+    resolved, _ = auto_config(cfg, s, work, world=1, gpu_mem_gib=139.29)
+    assert resolved.recompute_attention is False and resolved.gradient_checkpointing == "all-but-12"
+    fixed = TrainConfig(shards=tmp_path, output_dir=tmp_path, liger_kernels=True, recompute_attention=True)
+    resolved, _ = auto_config(fixed, s, work, world=1, gpu_mem_gib=139.29)
+    assert resolved.recompute_attention is True and resolved.gradient_checkpointing == "all-but-13"
+    assert without_gpu_figure(cfg).recompute_attention is True

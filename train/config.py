@@ -87,7 +87,9 @@ class TrainConfig:
     attention: str = "sdpa"  # sdpa | eager | flash_attention_2 (train/kernels.py)
     gradient_checkpointing: str = "auto"  # auto | all | none | every-K (train/activations.py)
     offload_activations: bool = False  # checkpointed layers' saved inputs in host memory
-    recompute_attention: bool = True  # False: checkpointed layers keep their sdpa outputs (train/activations.py)
+    # False: checkpointed layers keep their sdpa outputs (train/activations.py); None: the planner decides on CUDA
+    # (train/memplan.py: the fewer recomputed FLOPs among what fits), recomputed elsewhere
+    recompute_attention: bool | None = None
     vision_no_grad: bool | None = None  # frozen vision tower without autograd (None: on when it is all frozen)
     vision_chunk_frames: int = 64  # frames per vision-tower pass (0: a micro-batch's videos at once)
     vision_cache_gib: float = 0.0  # keep the frozen vision blocks' outputs per sample, up to this many GiB (0: off)
@@ -246,7 +248,7 @@ class TrainConfig:
         if self.offload_activations and self.gradient_checkpointing == "none":
             p.append("--offload-activations offloads the checkpointed layers' inputs: it needs --gradient-checkpointing "
                      "other than none")
-        if not self.recompute_attention and (self.gradient_checkpointing == "none" or self.attention != "sdpa"):
+        if self.recompute_attention is False and (self.gradient_checkpointing == "none" or self.attention != "sdpa"):
             p.append("--no-recompute-attention keeps the checkpointed layers' sdpa outputs: it needs "
                      "--gradient-checkpointing other than none and --attention sdpa")
         if self.vision_no_grad and not self.vision_frozen:
@@ -393,7 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute-attention", action=argparse.BooleanOptionalAction, default=d.recompute_attention,
                    help="--no-recompute-attention: checkpointed layers keep their attention output (~1.6x a layer "
                    "input per layer) and recompute only the rest; pays at long sequences, where causal attention "
-                   "is most of a layer's forward")
+                   "is most of a layer's forward. Unset: on CUDA the planner keeps them when that fits and "
+                   "recomputes fewer FLOPs than checkpointing fewer layers would; elsewhere recomputed")
     g.add_argument("--attention", choices=("sdpa", "eager", "flash_attention_2"), default=d.attention,
                    help="attention implementation (flash_attention_2 needs flash-attn and CUDA)")
     g.add_argument("--vision-no-grad", action=argparse.BooleanOptionalAction, default=None,

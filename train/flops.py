@@ -42,6 +42,14 @@ def step_flops(shape: ModelShape, *, tokens: int, supervised: int, patches: int,
     return parts
 
 
+def layer_forward_flops(layer, tokens: int) -> tuple[float, float]:
+    """(linear, attention) FLOPs of one decoder layer's forward over one sequence: what a checkpointed layer
+    spends again in backward. Attention is the causal half, 2·T²·q, as above; a linear-attention layer's
+    recurrence is not counted."""
+    attention = 2.0 * tokens * tokens * layer.q if layer.kind == "full_attention" else 0.0
+    return 2.0 * layer.params * tokens, attention
+
+
 def peak_tflops(device_name: str) -> float | None:
     """The dense bf16 peak of a device name, or None when unknown (then pass --peak-tflops)."""
     for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
