@@ -9,6 +9,9 @@
 # hjson, transformers, liger-kernel: carried wheels, see /work/.library/device/README.md or
 # scripts/build_wheelhouse.py) and the plain-stack anchor inside the checkout:
 #   mkdir -p shared/anchors && cp ../shared/anchors/plain_stack_step.py shared/anchors/   # untracked: carried
+# Qwen3.5 with fla needs Triton >= 3.7.1 on Hopper; its wheel ships no ptxas, so point Triton at the image's
+# (resolved before the newer Triton goes on PYTHONPATH):
+#   export TRITON_PTXAS_PATH=$(PYTHONPATH= python -c "import triton, os; print(os.path.dirname(triton.__file__))")/backends/nvidia/bin/ptxas
 # Each leg that needs a missing optional kernel (flash-attn, bitsandbytes, fla) records the refusal and the
 # bench goes on.
 #
