@@ -157,7 +157,10 @@ def layer_bytes_per_token(layer: LayerShape, shape: ModelShape, *, lora_dropout:
     `zero3`: DeepSpeed's ZeRO-3 runs every linear through LinearFunctionForZeroStage3, which saves its input
     whether the weight trains or not (its memory-efficient linear, on by default), so a frozen base keeps the
     projections' inputs too (one H200, 4B at 128 frames under a 12 GiB cap, three layers not checkpointed:
-    the OOM report's allocation sites held ~2.45 GiB a layer where this counted 1.96 without it)."""
+    the OOM report's allocation sites held ~2.43 GiB a layer where this counted 1.96 without it). Turning it off
+    (torch's F.linear) is no lever: autograd then saves a view of the gathered weight, which outlives ZeRO-3's
+    release of it (2 CPU ranks, partitioned, one layer not checkpointed: 442 KB of weights held, 12 KB of
+    inputs freed)."""
     H, I = shape.hidden, shape.intermediate
     f32 = act if fused else 4  # what a norm keeps per element
     lora = sum(n * w for w, n in layer.lora_inputs.items()) * (act + 1) if lora_dropout else 0  # output + mask
