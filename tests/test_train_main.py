@@ -54,7 +54,8 @@ def drop_run(five, cache, tmp_path_factory):
 
 def test_zero3_leaf_layers_give_the_per_submodule_hooks_numbers(drop_run, five, cache, tmp_path):
     """Leaf layers (the ZeRO-3 default) change only the hook granularity: the first step's loss and gradient
-    norm equal those of DeepSpeed's per-submodule hooks, on 2 ranks, and the second step runs."""
+    norm equal those of DeepSpeed's per-submodule hooks, on 2 ranks, and the second step runs; also with no
+    layer checkpointed."""
     proc, run = drop_run
     assert proc.returncode == 0, explain(proc)
     for r in (0, 1):
@@ -65,11 +66,18 @@ def test_zero3_leaf_layers_give_the_per_submodule_hooks_numbers(drop_run, five, 
     ref = launch(_args(five, hooks, cache, *one_epoch, "--no-zero3-leaf-layers"))
     assert ref.returncode == 0, explain(ref)
     assert not events(hooks, 0, "zero3_leaf_layers")
+    # leaf layers with nothing checkpointed: their inputs must ask for gradients, or DeepSpeed never gathers
+    # the first layer again for its backward (it failed on an empty LoRA weight before)
+    unckpt = tmp_path / "leaf_no_checkpointing"
+    plain = launch(_args(five, unckpt, cache, *one_epoch, "--gradient-checkpointing", "none"))
+    assert plain.returncode == 0, explain(plain)
     for r in (0, 1):
         got, want = steps(run, r)[0], steps(hooks, r)[0]
         assert got["sample_ids"] == want["sample_ids"]
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-2) and got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-2)
         assert sorted(steps(hooks, r)) == [0, 1]
+        flat = steps(unckpt, r)[0]
+        assert flat["loss"] == pytest.approx(want["loss"], rel=1e-4) and flat["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-3)
 
 
 @pytest.fixture(scope="module")

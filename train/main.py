@@ -499,6 +499,11 @@ class Recipe:
         if self.zero_stage == 3 and cfg.zero3_leaf:
             leaves = mark_leaf_layers(self.model)
             self.log.event("zero3_leaf_layers", classes=leaves)
+            if cfg.gradient_checkpointing == "none":
+                # DeepSpeed gathers a leaf layer again for its backward from a hook on its inputs' gradients;
+                # with nothing checkpointed the first layer's inputs need none, its LoRA weights stay released
+                # and backward fails on an empty tensor ("size of tensor a (0)"; checkpointing sets this itself)
+                self.model.enable_input_require_grads()
         engine, _, _, _ = deepspeed.initialize(model=self.model, model_parameters=params, optimizer=optimizer,
                                                lr_scheduler=scheduler, config=self.ds_config)
         if cfg.fused_grad_checks:
