@@ -116,6 +116,9 @@ def causal_lm_loss(model, batch: dict[str, torch.Tensor], spec: LossSpec | None 
     """
     spec = spec or LossSpec(impl="torch", full_logits=full_logits)
     batch = dict(unpack_inputs(model, batch))  # a packed row: per-sample positions, boundaries (train/packing.py)
+    # No KV cache in training: transformers finds a packed row's sample boundaries only without one, and the
+    # text model's own config (use_cache=True) would make one whenever no layer is checkpointed
+    batch["use_cache"] = False
     labels = batch.pop("labels")
     with_pixels = batch.pop(WITH_PIXELS_KEY, None)  # hits loaded without frames: only the cache can serve them
     mask = batch.get("attention_mask")
