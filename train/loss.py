@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from train.data import IGNORE_INDEX
 from train.packing import unpack_inputs
+from train.positions import PositionCache
 from train.vision import ENCODER_KEY, WITH_PIXELS_KEY, VisionCache, encode_videos, unwrap
 
 LOSS_IMPLS = ("auto", "torch", "chunked", "liger")
@@ -107,12 +108,13 @@ def resolve_loss_impl(impl: str, *, lm_head_trainable: bool, zero_stage: int) ->
 
 def causal_lm_loss(model, batch: dict[str, torch.Tensor], spec: LossSpec | None = None, *,
                    full_logits: bool = False, vision_cache: VisionCache | None = None,
-                   sample_ids: list[str] | None = None) -> torch.Tensor:
+                   sample_ids: list[str] | None = None, positions: PositionCache | None = None) -> torch.Tensor:
     """Mean cross-entropy over supervised tokens (labels != -100), the same value as the model's own loss.
 
     Position p predicts token p+1, so only positions whose next label is supervised need logits. `model`
     is what the trainer calls (DeepSpeed engine, PEFT model or plain transformers model). With a vision
-    cache the tower runs apart too, its frozen blocks only for the `sample_ids` it does not hold yet.
+    cache the tower runs apart too, its frozen blocks only for the `sample_ids` it does not hold yet; with
+    `positions`, the mRoPE position ids come from the rows it keeps per sample id (train/positions.py).
     """
     spec = spec or LossSpec(impl="torch", full_logits=full_logits)
     batch = dict(unpack_inputs(model, batch))  # a packed row: per-sample positions, boundaries (train/packing.py)
@@ -120,6 +122,8 @@ def causal_lm_loss(model, batch: dict[str, torch.Tensor], spec: LossSpec | None 
     # text model's own config (use_cache=True) would make one whenever no layer is checkpointed
     batch["use_cache"] = False
     labels = batch.pop("labels")
+    if positions is not None and "position_ids" not in batch and batch.get("video_grid_thw") is not None:
+        batch["position_ids"] = positions.batch_positions(model, batch, sample_ids)
     with_pixels = batch.pop(WITH_PIXELS_KEY, None)  # hits loaded without frames: only the cache can serve them
     mask = batch.get("attention_mask")
     if mask is not None and bool(mask.all()):

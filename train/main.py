@@ -95,6 +95,7 @@ from train.profile import StepProfiler
 from train.plan import PlanConfig, PlanError, global_steps, plan_run, total_steps
 from train.run_record import build_run_record, update_run_record, write_json
 from train.zero import fuse_gradient_checks, mark_leaf_layers, sharding_report
+from train.positions import PositionCache
 from train.vision import VisionCache, cache_problems, entry_bytes
 
 EXIT_USAGE = 2
@@ -150,6 +151,7 @@ class Recipe:
         self._resume_rng = None
         self._last_losses: list[float] = []
         self.vision_cache: VisionCache | None = None  # --vision-cache-gib (set in setup)
+        self.positions = PositionCache()  # mRoPE positions per sample id: computed once, not every forward
 
     @property
     def phase(self) -> str:
@@ -607,7 +609,8 @@ class Recipe:
             partial, _ = sequence_parallel_loss(self.engine, batch, self.sp_group,
                                                 chunk_positions=self.loss_spec.chunk_positions)
             return partial * self.sp
-        return causal_lm_loss(self.engine, batch, self.loss_spec, vision_cache=self.vision_cache, sample_ids=sample_ids)
+        return causal_lm_loss(self.engine, batch, self.loss_spec, vision_cache=self.vision_cache, sample_ids=sample_ids,
+                              positions=self.positions)
 
     def _vision_cache(self) -> VisionCache | None:
         """--vision-cache-gib: refused unless the tower's blocks give the same outputs every pass."""
