@@ -56,5 +56,39 @@ def main(out: str) -> None:
                "nan_step_skipped": skipped, "grad_norm_after_nan": float(engine.get_global_grad_norm())}, open(out, "w"))
 
 
+def one_rank_allreduce(out: str) -> None:
+    """Two one-rank ZeRO-0 fp32 engines from the same weights, one with train.zero.skip_one_rank_allreduce: the
+    same parameters after every step (clipping on, weight decay on, one trainable tensor outside the graph)."""
+    import deepspeed
+
+    from train.main import init_distributed
+    from train.zero import skip_one_rank_allreduce
+
+    init_distributed()
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.05,
+              "zero_optimization": {"stage": 0}}
+    engines, skipped = [], []
+    for skip in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+        model.unused = torch.nn.Parameter(torch.ones(4))  # trainable, never in the graph: gets no gradient
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config,
+                                               optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2,
+                                                                           weight_decay=0.1))
+        skipped.append(skip_one_rank_allreduce(engine, 1) if skip else False)
+        engines.append(engine)
+    equal, unused_moved = [], []
+    torch.manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(2, 16)
+        for engine in engines:
+            engine.backward(engine(x).square().sum())
+            engine.step()
+        a, b = (list(e.module.parameters()) for e in engines)
+        equal.append(all(torch.equal(p, q) for p, q in zip(a, b)))
+        unused_moved.append([not torch.equal(e.module.unused.detach(), torch.ones(4)) for e in engines])
+    json.dump({"skipped": skipped, "equal": equal, "unused_moved": unused_moved}, open(out, "w"))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    (one_rank_allreduce if sys.argv[2:] == ["allreduce"] else main)(sys.argv[1])

@@ -495,6 +495,24 @@ def test_fused_grad_checks_give_deepspeeds_norm_and_overflow_verdict_in_a_few_op
     assert fused["ops"] <= 30 < 4 * r["tensors"] < ds["ops"], (fused["ops"], ds["ops"])  # 23 vs 831 measured
 
 
+def test_one_rank_allreduce_skip_steps_the_parameters_as_deepspeed_does(tmp_path):
+    """ZeRO-0 on one rank: the all-reduce replaced by its one lasting effect (a trainable tensor without a gradient
+    gets zeros) gives the same parameters after every step as DeepSpeed's own (clipping and weight decay on)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "allreduce.json"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    subprocess.run([sys.executable, "-m", "tests.grad_checks_worker", str(out), "allreduce"], check=True, timeout=240,
+                   env=env, cwd=Path(__file__).resolve().parents[1])
+    r = json.loads(out.read_text())
+    assert r["skipped"] == [False, True]
+    assert r["equal"] == [True, True, True]
+    assert r["unused_moved"] == [[True, True]] * 3  # weight decay stepped the zero-gradient tensor in both
+
+
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
 def test_batched_vision_attention_gives_the_tower_own_features_in_one_call_per_block(tiny_cache, family):
     """Equal temporal groups (one video, or two of the same size) run one sdpa call per block and give the

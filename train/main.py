@@ -94,7 +94,7 @@ from train.quantize import from_pretrained_kwargs, quantize_problem
 from train.profile import StepProfiler
 from train.plan import PlanConfig, PlanError, global_steps, plan_run, total_steps
 from train.run_record import build_run_record, update_run_record, write_json
-from train.zero import fuse_gradient_checks, mark_leaf_layers, sharding_report
+from train.zero import fuse_gradient_checks, mark_leaf_layers, sharding_report, skip_one_rank_allreduce
 from train.positions import PositionCache
 from train.vision import VisionCache, cache_problems, entry_bytes
 
@@ -510,6 +510,7 @@ class Recipe:
                                                lr_scheduler=scheduler, config=self.ds_config)
         if cfg.fused_grad_checks:
             self.log.event("fused_grad_checks", replaced=fuse_gradient_checks(engine.optimizer))
+        self.log.event("one_rank_allreduce_skipped", skipped=skip_one_rank_allreduce(engine, self.world_size))
         if engine.zero_optimization_stage() != self.zero_stage:
             raise RuntimeError(f"DeepSpeed runs ZeRO stage {engine.zero_optimization_stage()}, the resolved config "
                                f"says {self.zero_stage}")
