@@ -1,5 +1,5 @@
-"""One-rank ZeRO-2 engine on CPU (gloo) comparing train.zero.fuse_gradient_checks with DeepSpeed's own
-per-tensor gradient norm and inf/NaN check (tests/test_levers.py runs it in a subprocess: DeepSpeed's
+"""One-rank ZeRO-2 and ZeRO-3 engines on CPU (gloo) comparing train.zero.fuse_gradient_checks with DeepSpeed's
+own per-tensor gradient norm and inf/NaN check (tests/test_levers.py runs it in a subprocess: DeepSpeed's
 process group must not outlive the check). Writes the comparison as JSON to argv[1]."""
 from __future__ import annotations
 
@@ -52,8 +52,42 @@ def main(out: str) -> None:
     before = [p.detach().clone() for p in model.parameters()]
     engine.step()  # a non-finite gradient: the step is skipped
     skipped = all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
-    json.dump({"replaced": replaced, "tensors": tensors, "finite": finite, "nan": nan,
-               "nan_step_skipped": skipped, "grad_norm_after_nan": float(engine.get_global_grad_norm())}, open(out, "w"))
+    result = {"replaced": replaced, "tensors": tensors, "finite": finite, "nan": nan,
+              "nan_step_skipped": skipped, "grad_norm_after_nan": float(engine.get_global_grad_norm())}
+    result["stage3"] = stage3(config)
+    json.dump(result, open(out, "w"))
+
+
+def stage3(config: dict) -> dict:
+    """The same model under ZeRO-3: DeepSpeed's per-tensor norm against the fused one, on the same gradients
+    (finite, then with a NaN), and the norm the engine reports after a fused step."""
+    import deepspeed
+
+    from train.zero import fuse_gradient_checks
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(24)])
+    config = {**config, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config,
+                                           optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
+    opt = engine.optimizer
+    original = type(opt).get_grad_norm_direct
+    replaced = fuse_gradient_checks(opt)
+    x = torch.randn(2, 16, dtype=torch.bfloat16)
+    engine.backward(engine(x).float().square().sum())
+    grads, params = opt.averaged_gradients[0], opt.fp16_groups[0]
+    out: dict = {"replaced": replaced, "tensors": len(grads)}
+    for label in ("finite", "nan"):
+        if label == "nan":
+            grads[5].view(-1)[3] = float("nan")
+        row = {}
+        for name, fn in (("deepspeed", lambda: original(opt, grads, params)), ("fused", lambda: opt.get_grad_norm_direct(grads, params))):
+            counter = op_counter()
+            with counter:
+                norm = float(fn())
+            row[name] = {"norm": norm, "ops": counter.ops}
+        out[label] = row
+    return out
 
 
 def one_rank_allreduce(out: str) -> None:

@@ -493,6 +493,12 @@ def test_fused_grad_checks_give_deepspeeds_norm_and_overflow_verdict_in_a_few_op
     assert r["nan"]["deepspeed"]["norm"] == r["nan"]["fused"]["norm"] == -1.0
     assert r["nan_step_skipped"] and r["grad_norm_after_nan"] == float("inf")
     assert fused["ops"] <= 30 < 4 * r["tensors"] < ds["ops"], (fused["ops"], ds["ops"])  # 23 vs 831 measured
+    z3 = r["stage3"]  # ZeRO-3: only the norm is replaced (its inf/NaN check reads one flat buffer already)
+    assert z3["replaced"] == ["get_grad_norm_direct"] and z3["tensors"] == 48
+    assert z3["finite"]["fused"]["norm"] == pytest.approx(z3["finite"]["deepspeed"]["norm"], rel=1e-6)
+    assert z3["finite"]["deepspeed"]["norm"] > 0
+    assert z3["nan"]["fused"]["norm"] == z3["nan"]["deepspeed"]["norm"] == -1.0
+    assert z3["finite"]["fused"]["ops"] <= 20 < 2 * z3["tensors"] <= z3["finite"]["deepspeed"]["ops"]  # 13 vs 107
 
 
 def test_one_rank_allreduce_skip_steps_the_parameters_as_deepspeed_does(tmp_path):

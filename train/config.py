@@ -101,7 +101,7 @@ class TrainConfig:
     liger_kernels: bool | None = None  # liger's RMSNorm / rotary / SwiGLU (None: on for Qwen3-VL on CUDA where it imports)
     compile: bool = False  # torch.compile each decoder layer (ZeRO <= 2; train/kernels.py)
     batched_vision_attention: bool = True  # one sdpa call per vision block over equal segments (train/kernels.py)
-    fused_grad_checks: bool = True  # ZeRO-1/2 gradient norm + overflow check in multi-tensor kernels (train/zero.py)
+    fused_grad_checks: bool = True  # ZeRO gradient norm (+ ZeRO-1/2 overflow check) in multi-tensor kernels (train/zero.py)
     profile_steps: int = 0  # torch.profiler over this many steps after the first (train/profile.py)
     save_every: int = 0  # checkpoint every N optimizer steps (0: never; the final weights are always saved)
     resume: Path | None = None  # RUN directory to resume from (its latest checkpoint)
@@ -435,8 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the vision tower's sdpa attention as one call per block over its equal-length temporal "
                    "groups (default) instead of transformers' one call per group and a host sync per block")
     g.add_argument("--fused-grad-checks", action=argparse.BooleanOptionalAction, default=d.fused_grad_checks,
-                   help="ZeRO-1/2: the gradient norm and the inf/NaN check as a few multi-tensor kernels (default) "
-                   "instead of DeepSpeed's several kernels per gradient tensor; same norm, same skipped steps")
+                   help="the gradient norm (ZeRO-1/2/3) and the inf/NaN check (ZeRO-1/2) as a few multi-tensor kernels "
+                   "(default) instead of DeepSpeed's several kernels per gradient tensor; same norm, same skipped steps")
     g.add_argument("--mem-cap-gib", type=float, default=None,
                    help="CUDA: cap this process's memory at this many GiB (torch memory fraction), e.g. to act "
                    "as a 12 GiB card; the planner plans for it")

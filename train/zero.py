@@ -52,9 +52,9 @@ def skip_one_rank_allreduce(engine, world_size: int) -> bool:
 
 
 def fuse_gradient_checks(optimizer) -> list[str]:
-    """`--fused-grad-checks` (on by default): ZeRO-1/2's gradient norm and overflow check in a few
-    multi-tensor kernels instead of several kernels per gradient tensor; returns the methods replaced ([] where
-    the optimizer is not one this covers: ZeRO-3, CPU offload, model or pipeline parallel).
+    """`--fused-grad-checks` (on by default): ZeRO-1/2's gradient norm and overflow check, and ZeRO-3's norm, in
+    a few multi-tensor kernels instead of several kernels per gradient tensor; returns the methods replaced ([]
+    where the optimizer is not one this covers: CPU offload, model or pipeline parallel, expert groups).
 
     Why: a LoRA run has ~500 small gradient tensors; DeepSpeed checks each for inf/NaN (amax, amin, two
     isfinite, and/not, an add) and takes each one's norm in fp64 (a copy and a norm), ~4,000 launches after
@@ -62,18 +62,21 @@ def fuse_gradient_checks(optimizer) -> list[str]:
     L2 norm of a tensor is finite exactly when every element is (fp32 squares cannot overflow fp64), so
     `torch._foreach_norm(..., dtype=float64)` answers both questions: the same norm (up to fp64 summation
     order) and the same overflow verdict, so a step with a non-finite gradient is still skipped."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    if (type(optimizer) is not DeepSpeedZeroOptimizer or optimizer.cpu_offload or optimizer.mpu is not None
-            or getattr(optimizer, "has_moe_layers", False)):
-        return []
-    original_norm = optimizer.get_grad_norm_direct
 
     def fp64_norms(gradients) -> torch.Tensor:
         grads = [g for g in gradients if g is not None and not getattr(g, "_zero_padding", False)]
         if not grads:
             return torch.zeros(1, dtype=torch.float64, device=optimizer.device)
         return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))
+
+    if type(optimizer) is DeepSpeedZeroOptimizer_Stage3:
+        return _fuse_stage3_norm(optimizer, fp64_norms)
+    if (type(optimizer) is not DeepSpeedZeroOptimizer or optimizer.cpu_offload or optimizer.mpu is not None
+            or getattr(optimizer, "has_moe_layers", False)):
+        return []
+    original_norm = optimizer.get_grad_norm_direct
 
     def has_overflow_partitioned_grads_serial(self):
         grads = [g for i in range(len(self.bit16_groups)) for g in (self.averaged_gradients[i] or ())]
@@ -94,6 +97,30 @@ def fuse_gradient_checks(optimizer) -> list[str]:
     optimizer.has_overflow_partitioned_grads_serial = types.MethodType(has_overflow_partitioned_grads_serial, optimizer)
     optimizer.get_grad_norm_direct = types.MethodType(get_grad_norm_direct, optimizer)
     return ["has_overflow_partitioned_grads_serial", "get_grad_norm_direct"]
+
+
+def _fuse_stage3_norm(optimizer, fp64_norms) -> list[str]:
+    """ZeRO-3's gradient norm in one multi-tensor kernel (its inf/NaN check already reads one flat buffer):
+    DeepSpeed's takes each partition's norm apart (a copy, a cast and a norm per gradient tensor). Only where
+    every rank's partitions count once: no CPU offload, model parallelism or expert groups."""
+    if (optimizer.offload_optimizer or optimizer.model_parallel_group is not None
+            or getattr(optimizer, "has_moe_layers", False) or getattr(optimizer, "use_muon", False)):
+        return []
+    original_norm = optimizer.get_grad_norm_direct
+
+    def get_grad_norm_direct(self, gradients, params, norm_type=2):
+        if float(norm_type) != 2.0 or self._autoep_expert_parallel_group(params) is not None:
+            return original_norm(gradients, params, norm_type)
+        import deepspeed.comm as dist
+
+        self._assert_same_partition_group(params)
+        total = fp64_norms(gradients).square().sum()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._get_param_partition_group(params[0]))
+        total = total.sqrt()
+        return torch.where(total.isfinite(), total, torch.full_like(total, -1.0))  # DeepSpeed's sentinel
+
+    optimizer.get_grad_norm_direct = types.MethodType(get_grad_norm_direct, optimizer)
+    return ["get_grad_norm_direct"]
 
 
 def mark_leaf_layers(model) -> list[str]:
