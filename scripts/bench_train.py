@@ -78,6 +78,7 @@ LEGS: dict[str, tuple[str, ...]] = {
     "auto-keep-attention": ("--no-recompute-attention",),
     "auto-recompute-attention": ("--recompute-attention",),  # what auto picked before it could keep them
     "auto-liger-kernels": ("--liger-kernels",),  # Qwen3.5 (liger is on by default for Qwen3-VL only)
+    "zero3-no-fused-grad-checks": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--no-fused-grad-checks"),
     "zero3-no-prefetch": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--prefetch-bucket-size", "1"),
     "zero2-vision-in-forward": ("--zero-stage", "2", "--gradient-checkpointing", "all", "--no-vision-no-grad",
                                 "--vision-chunk-frames", "0"),
@@ -132,7 +133,7 @@ def issue9_matrix() -> list[Leg]:
                                      "zero3-no-prefetch")]  # 35-38
     legs += [Leg(config="auto-keep-attention", frames=512), Leg(config="auto-liger-kernels", size=q9),
              Leg(config="auto-keep-attention", frames=1024, steps=3)]  # 39-41
-    legs += [Leg(config="auto-recompute-attention", frames=512)]  # 42
+    legs += [Leg(config="auto-recompute-attention", frames=512), Leg(config="zero3-no-fused-grad-checks")]  # 42-43
     return legs
 
 
