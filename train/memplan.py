@@ -434,7 +434,8 @@ def plan_for_run(model_dir, shards, *, gpus: int, gpu_mem_gib: float, micro_batc
     setups = candidates(world=gpus, loss=loss, finetune=finetune, lora_r=lora_r, lora_dropout=lora_dropout > 0,
                         vision_chunk_frames=vision_chunk_frames, quantize_base=quantize_base, zero_stage=zero_stage,
                         checkpointing=checkpointing, offload_optimizer=offload_optimizer, offload_params=offload_params)
-    return choose(shape, work, gpu_mem_gib=gpu_mem_gib, world=gpus, setups=setups)
+    return choose(shape, work, gpu_mem_gib=gpu_mem_gib, world=gpus, setups=setups,
+                  decide_attention=True)  # train.main's default (--recompute-attention unset, sdpa)
 
 
 def cli(argv: list[str] | None = None) -> int:
