@@ -27,6 +27,7 @@ JPEG quality is --jpeg-quality (95), PIL (libjpeg-turbo).
 """
 from __future__ import annotations
 
+import contextvars
 import io
 import queue
 import threading
@@ -96,8 +97,9 @@ def read_windows(reader, path: str, frame_indices: Sequence[Sequence[int]]) -> I
 
 
 def read_ahead(items: Iterator, depth: int = 1) -> Iterator:
-    """The items of `items`, produced in a thread of its own up to `depth` ahead of the caller. An exception
-    of `items` is raised here after the items before it; leaving early closes `items` in its thread."""
+    """The items of `items`, produced in a thread of its own up to `depth` ahead of the caller (in a copy of the
+    caller's context). An exception of `items` is raised here after the items before it; leaving early closes
+    `items` in its thread."""
     q: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
     end = object()
@@ -124,7 +126,8 @@ def read_ahead(items: Iterator, depth: int = 1) -> Iterator:
             if stop.is_set():
                 items.close()  # e.g. the reader's close() in decode_windows' finally
 
-    thread = threading.Thread(target=produce, name="decode", daemon=True)
+    # in a copy of the caller's context: the decoder's heartbeats count for the caller's task (prep/workers.py)
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(produce,), name="decode", daemon=True)
     thread.start()
     try:
         while True:

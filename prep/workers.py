@@ -2,12 +2,16 @@
 
     for index, result in distribute(worker, tasks, processes=4, stall_s=300, on_stall=...): ...
 
-Each worker process runs `worker(task)` for one task at a time and reports progress with `heartbeat(label)`
-(the build beats once per decoded window, naming the video file). A worker whose last beat is older than
-`stall_s` is stuck (decord 0.6's get_batch hang is the most reported decoder problem): it is killed with
-SIGKILL and replaced by a fresh process, and `on_stall(task, label, waited_s)` decides what the task becomes:
-`Retry(task)` runs a changed task (the build drops the stuck video from its shard), anything else is the
-task's result. Results come back in completion order with their task index.
+Each worker process runs `worker(task)` for up to `streams` tasks at once, each in a thread of its own (1 by
+default; the build runs several shards per process so that one process keeps its cores busy: a decoder
+releases the GIL while it decodes), and a task reports progress with `heartbeat(label)` (the build beats once
+per decoded window, naming the video file). The watchdog times every task by its own beats. A task whose
+last beat is older than `stall_s` is stuck (decord 0.6's get_batch hang is the most reported decoder
+problem): its process is killed with SIGKILL and replaced by a fresh one, and `on_stall(task, label,
+waited_s)` decides what the task becomes: `Retry(task)` runs a changed task (the build drops the stuck video
+from its shard), anything else is the task's result. The other tasks that process was running did not stall:
+they run again from the start (a worker must be idempotent; the shard writer is). Results come back in
+completion order with their task index.
 
 Processes are forked (the parent has not opened a decoder); each dies with the parent (PR_SET_PDEATHSIG),
 ignores SIGINT (the parent stops everyone on Ctrl-C) and never outlives `distribute`, or, given `pool=Pool()`,
@@ -32,11 +36,16 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from multiprocessing.connection import wait
 from typing import Any
 
 _conn = None  # this process's pipe to the parent, in a worker process only
 _send_lock = threading.Lock()  # beats may come from a decoder thread while the main thread sends too
+# the task index a thread works for: set in the task's thread; a thread it starts carries it when started in
+# a copy of its context (prep.decode.read_ahead does)
+_task_index: ContextVar[int | None] = ContextVar("task_index", default=None)
+_running: set[int] = set()  # task indices this worker process runs now (their threads add and remove them)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +67,19 @@ class RemoteTraceback(Exception):
 
 
 def heartbeat(label: str, progress: Any = None) -> None:
-    """Tell the parent this worker is making progress on `label`; progress (if any) goes to on_progress.
-    A no-op outside a worker process, so the worker function also runs inline (tests, a debugger)."""
-    if _conn is not None:
-        _send(("beat", label, progress))
+    """Tell the parent this task is making progress on `label`; progress (if any) goes to on_progress.
+    A no-op outside a worker process, so the worker function also runs inline (tests, a debugger).
+    From a thread without the task's context it counts for the process's only task (an error with several)."""
+    if _conn is None:
+        return
+    index = _task_index.get()
+    if index is None:
+        running = set(_running)
+        if len(running) != 1:
+            raise RuntimeError(f"heartbeat({label!r}) from a thread that does not carry its task's context, while "
+                               f"this worker runs {len(running)} tasks: start the thread in contextvars.copy_context()")
+        index = running.pop()
+    _send(("beat", index, (label, progress)))
 
 
 def _send(message) -> None:
@@ -70,14 +88,18 @@ def _send(message) -> None:
 
 
 @dataclasses.dataclass
+class _Running:
+    task: Any
+    label: str  # what the task's last beat named
+    last_beat: float  # time.monotonic() of it (of the assignment before the first beat)
+
+
+@dataclasses.dataclass
 class _Slot:
     process: multiprocessing.Process
     conn: Any
     generic: bool = False  # started without a worker (a Pool's): each task message carries the worker
-    index: int | None = None  # task index in flight, None when idle
-    task: Any = None
-    label: str = ""
-    last_beat: float = 0.0
+    running: dict[int, _Running] = dataclasses.field(default_factory=dict)  # task index -> its state; {}: idle
     closed: bool = False  # the worker's end of the pipe is gone (it died)
 
 
@@ -122,12 +144,13 @@ class Pool:
         self.close()
 
 
-def distribute(worker: Callable[[Any], Any], tasks: list, *, processes: int, stall_s: float | None = None,
-               on_stall: Callable[[Any, str, float], Any] | None = None,
+def distribute(worker: Callable[[Any], Any], tasks: list, *, processes: int, streams: int = 1,
+               stall_s: float | None = None, on_stall: Callable[[Any, str, float], Any] | None = None,
                on_progress: Callable[[Any], None] | None = None, pool: Pool | None = None) -> Iterator[tuple[int, Any]]:
     """Run worker(task) for every task in `processes` forked processes; yield (task index, result).
 
-    stall_s: seconds without a heartbeat after which a worker is killed and replaced (None: no watchdog).
+    streams: tasks each process runs at once, each in a thread (worker must then be thread-safe).
+    stall_s: seconds without a heartbeat after which a task's process is killed and replaced (None: no watchdog).
     on_stall(task, label, waited_s): Retry(task) to run again, else the task's result.
     pool: take the processes from it and give them back at the end (None: fork them here, stop them at the end).
     Use it under contextlib.closing(): leaving the loop early (an error) then stops every worker at once.
@@ -135,45 +158,62 @@ def distribute(worker: Callable[[Any], Any], tasks: list, *, processes: int, sta
     if not tasks:
         return
     ctx = multiprocessing.get_context("fork")
+    streams = max(1, streams)
     todo: deque = deque(enumerate(tasks))
     slots: list[_Slot] = []
     finished = False
     try:
-        for _ in range(min(processes, len(tasks))):  # each process starts on its task while the next is forked
+        # each process starts on its tasks while the next is forked
+        for _ in range(min(processes, -(-len(tasks) // streams))):
             slots.append(pool._lend() if pool is not None else _start(ctx, worker))
-            _assign(slots[-1], todo, worker)
-        while any(s.index is not None for s in slots):
-            busy = [s for s in slots if s.index is not None]
+            _assign(slots[-1], todo, worker, streams)
+        while any(s.running for s in slots):
+            busy = [s for s in slots if s.running]
             timeout = None
             if stall_s is not None:
-                timeout = max(0.0, min(s.last_beat for s in busy) + stall_s - time.monotonic())
+                oldest = min(r.last_beat for s in busy for r in s.running.values())
+                timeout = max(0.0, oldest + stall_s - time.monotonic())
             wait([s.conn for s in busy] + [s.process.sentinel for s in busy], timeout)
             for i, slot in enumerate(slots):
-                if slot.index is None:
+                if not slot.running:
                     continue
                 done = _drain(slot, on_progress)
-                if done is None and (slot.closed or not slot.process.is_alive()):
-                    done = _drain(slot, on_progress)  # what it sent just before it died
-                    if done is None:
+                dead = slot.closed or not slot.process.is_alive()
+                if dead:
+                    done += _drain(slot, on_progress)  # what it sent just before it died
+                    lost = {index: r for index, r in slot.running.items() if index not in dict(done)}
+                    if lost:
                         slot.process.join(timeout=10)
+                        what = ", ".join(f"{r.label} (task {index})" for index, r in lost.items())
                         raise WorkerDied(f"worker pid {slot.process.pid} ended ({_how(slot.process.exitcode)}) while "
-                                         f"working on {slot.label} (task {slot.index})")
-                if done is not None:
-                    yield done
-                    _assign(slot, todo, worker)
-                elif stall_s is not None and time.monotonic() - slot.last_beat > stall_s:
-                    waited = time.monotonic() - slot.last_beat
-                    index, task, label = slot.index, slot.task, slot.label
+                                         f"working on {what}")
+                for index, result in done:
+                    slot.running.pop(index, None)
+                    yield index, result
+                if dead:  # it ended right after its last task: a fresh process takes its place
+                    _kill(slot)
+                    slot.conn.close()
+                    slots[i] = slot = _start(ctx, None if pool is not None else worker)
+                now = time.monotonic()
+                stalled = [(r.last_beat, index) for index, r in slot.running.items()
+                           if stall_s is not None and now - r.last_beat > stall_s]
+                if stalled:
+                    index = min(stalled)[1]  # the one that stopped first; the others wait on it or are collateral
+                    stuck = slot.running.pop(index)
+                    waited = now - stuck.last_beat
+                    others = list(slot.running.items())
                     _kill(slot)
                     slot.conn.close()
                     # a fresh process replaces the stuck one
                     slots[i] = slot = _start(ctx, None if pool is not None else worker)
-                    outcome = on_stall(task, label, waited) if on_stall else None
+                    outcome = on_stall(stuck.task, stuck.label, waited) if on_stall else None
+                    for other, r in reversed(others):  # killed with it: they run again, first
+                        todo.appendleft((other, r.task))
                     if isinstance(outcome, Retry):
                         todo.appendleft((index, outcome.task))
                     else:
                         yield index, outcome
-                    _assign(slot, todo, worker)
+                _assign(slot, todo, worker, streams)
         finished = True
     finally:
         if finished and pool is not None:
@@ -211,32 +251,35 @@ def _join(slot: _Slot) -> None:
     slot.conn.close()
 
 
-def _assign(slot: _Slot, todo: deque, worker) -> None:
-    slot.index = slot.task = None
-    if todo:
-        slot.index, slot.task = todo.popleft()
-        slot.label, slot.last_beat = f"task {slot.index}", time.monotonic()
-        slot.conn.send((slot.index, slot.task, worker if slot.generic else None))
+def _assign(slot: _Slot, todo: deque, worker, streams: int) -> None:
+    """Send the slot's process tasks until it runs `streams` of them (or none is left)."""
+    while todo and len(slot.running) < streams:
+        index, task = todo.popleft()
+        slot.running[index] = _Running(task=task, label=f"task {index}", last_beat=time.monotonic())
+        slot.conn.send((index, task, worker if slot.generic else None))
 
 
-def _drain(slot: _Slot, on_progress) -> tuple[int, Any] | None:
-    """Read every waiting message of a slot; the (index, result) pair when its task finished."""
+def _drain(slot: _Slot, on_progress) -> list[tuple[int, Any]]:
+    """Read every waiting message of a slot; the (index, result) pairs of the tasks that finished."""
+    done = []
     while slot.conn.poll():
         try:
-            kind, a, b = slot.conn.recv()
+            kind, index, payload = slot.conn.recv()
         except EOFError:
             slot.closed = True
-            return None
+            break
         if kind == "beat":
-            slot.label, slot.last_beat = a, time.monotonic()
-            if b is not None and on_progress is not None:
-                on_progress(b)
+            label, progress = payload
+            if index in slot.running:  # not a task that finished or was killed meanwhile
+                slot.running[index].label, slot.running[index].last_beat = label, time.monotonic()
+            if progress is not None and on_progress is not None:
+                on_progress(progress)
         elif kind == "done":
-            return a, b
+            done.append((index, payload))
         else:  # "error": the worker's exception, with its traceback as the cause
-            exc, tb = b
+            exc, tb = payload
             raise exc from RemoteTraceback(tb)
-    return None
+    return done
 
 
 def _kill(slot: _Slot) -> None:
@@ -264,18 +307,30 @@ def _worker_main(conn, worker, parent_pid: int) -> None:
             os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     while True:
-        message = conn.recv()
-        if message is None:
+        message = conn.recv()  # the parent sends a task only while this process runs fewer than `streams`
+        if message is None:  # sent to an idle process only
             return
         index, task, fn = message  # fn: the worker of a pool's process (None: the one it was started with)
+        _running.add(index)
+        threading.Thread(target=_run_task, args=(index, task, fn or worker), name=f"task-{index}", daemon=True).start()
+
+
+def _run_task(index: int, task, worker) -> None:
+    """One task in its own thread: its result or its exception goes to the parent."""
+    _task_index.set(index)
+    try:
+        result = worker(task)
+    except BaseException as e:  # sent to the parent, which raises it: nothing is swallowed here
+        tb = "".join(traceback.format_exception(e))
         try:
-            result = (fn or worker)(task)
-        except BaseException as e:  # sent to the parent, which raises it: nothing is swallowed here
-            tb = "".join(traceback.format_exception(e))
-            try:
-                pickle.loads(pickle.dumps(e))
-            except Exception:  # an exception that cannot travel: its type and text do
-                e = RuntimeError(f"{type(e).__name__}: {e}")
-            _send(("error", index, (e, tb)))
-            continue
-        _send(("done", index, result))
+            pickle.loads(pickle.dumps(e))
+        except Exception:  # an exception that cannot travel: its type and text do
+            e = RuntimeError(f"{type(e).__name__}: {e}")
+        _finish(index, ("error", index, (e, tb)))
+        return
+    _finish(index, ("done", index, result))
+
+
+def _finish(index: int, message) -> None:
+    _running.discard(index)  # before the parent hears of it: it may send the next task at once
+    _send(message)

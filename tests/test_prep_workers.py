@@ -111,3 +111,59 @@ def test_a_pool_serves_two_calls_with_the_same_processes_and_replaces_a_stalled_
         with closing(distribute(pid_of, [7], processes=2, pool=pool)) as results:
             assert set(dict(results).values()) <= children()
     assert not children()
+
+
+def meet(x):
+    """x = (folder, name, n): wait (bounded) until n tasks have arrived; which other tasks this one met."""
+    folder, name, n = x
+    heartbeat(f"item {name}")
+    (folder / name).touch()
+    deadline = time.monotonic() + 20
+    while len(list(folder.iterdir())) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return len(list(folder.iterdir())), os.getpid()
+
+
+def test_streams_run_tasks_of_one_process_at_once(tmp_path):
+    # 3 tasks that each wait for the other two: they finish at once only if one process runs them together
+    with closing(distribute(meet, [(tmp_path, str(i), 3) for i in range(3)], processes=1, streams=3)) as results:
+        got = dict(results)
+    assert [n for n, _ in got.values()] == [3, 3, 3] and len({pid for _, pid in got.values()}) == 1
+    assert not children()
+
+
+def beats_from_a_thread(x):
+    """x = (folder, name, beats, hang): heartbeats only from a read_ahead thread (as the build's decoder does),
+    every 0.1 s, then hangs or ends; each run leaves a file, so the test sees which tasks ran twice."""
+    from prep.decode import read_ahead
+
+    folder, name, beats, hang = x
+    (folder / f"{name}.{len(list(folder.glob(name + '.*')))}").touch()
+
+    def windows():
+        for i in range(beats):
+            heartbeat(f"video {name}")
+            time.sleep(0.1)
+            yield i
+        while hang:
+            time.sleep(600)
+
+    return sum(read_ahead(windows()))
+
+
+def test_a_stalled_stream_kills_its_process_the_others_run_again_and_beats_from_its_threads_count_for_it(tmp_path):
+    stalls = []
+
+    def on_stall(task, label, waited):
+        stalls.append(label)
+        return "gave up"
+
+    # a hangs at 0.4 s and is caught at ~1.2 s, while b (2 s) still runs and c (0.4 s) is done
+    tasks = [(tmp_path, "a", 4, True), (tmp_path, "b", 20, False), (tmp_path, "c", 4, False)]
+    with closing(distribute(beats_from_a_thread, tasks, processes=1, streams=3, stall_s=0.8,
+                            on_stall=on_stall)) as results:
+        got = dict(results)
+    assert got == {0: "gave up", 1: sum(range(20)), 2: 6} and stalls == ["video a"]  # 3 streams' beats told apart
+    # b was killed with a's process and ran again from the start in the fresh one; c had finished
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.0", "b.0", "b.1", "c.0"]
+    assert not children()
