@@ -4,8 +4,9 @@ The stages, each a small function (the worker below composes them per video):
     annotations.load_annotations -> probe.probe_video -> annotations.check_segments
     -> windows.make_windows -> answers.rebase_segments/format_answer        (parent: cheap, decides shards)
     -> plan_window (budget.plan_frames + schemas.prompt.tokenize_sample, frames lowered for --max-input-tokens)
-    -> decode.decode_windows -> decode.encode_windows -> shards.ShardWriter (workers: one shard per task;
-       a worker decodes the next window while its encode threads resize + JPEG the previous one)
+    -> decode.decode_windows -> decode.encode_windows -> shards.ShardWriter (workers: one shard per task, a
+       few tasks at once per worker process (worker_threads); each decodes its next window while its encode
+       threads resize + JPEG the previous one)
 Probes and shards run in worker processes (workers.distribute) under a watchdog: a video whose probe or
 decode makes no progress for --decode-timeout seconds is rejected (decode_timeout), its worker replaced.
 Every bad input becomes a RejectRecord with its stage, a machine reason and a human detail; code errors
@@ -694,20 +695,44 @@ def _tokenizer_info(path: Path | None) -> TokenizerInfo:
     )
 
 
-def worker_threads(workers: int) -> tuple[int, int]:
-    """(decode, encode) threads per worker process, from the cores left to each worker.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ThreadSplit:
+    """How one worker process spends its cores (worker_threads says why)."""
+
+    streams: int  # shard tasks the process runs at once, each in a thread (prep.workers.distribute streams=)
+    decode: int  # decoder threads of each stream
+    encode: int  # resize + JPEG threads of each stream
+
+
+def worker_threads(workers: int, tasks: int | None = None) -> ThreadSplit:
+    """The thread split of each of `workers` processes over the cores left to it, for `tasks` shard tasks.
 
     resize + JPEG q95 costs ~1/4 of decoding a 30 fps H.264 source at 2 fps (measured on the 2-core box:
-    1.4 ms per 640x352 frame next to ~6 ms of decoding per sampled frame), so a quarter of the cores (at
-    least one thread) encode and the rest decode; the main thread writes the tar beside them. On the 2-core
-    bench machine one worker gets 1 decord thread + 1 encode thread: 1 decord thread decodes as fast as 2
-    there and costs ~25% less CPU (BENCHMARKS.md, Prep). With more workers than cores each still gets one of
-    each (the encoder mostly waits). Before: half and half, so at 4 workers on 16 cores 2 of 4 threads
-    encoded a quarter of the work.
+    1.4 ms per 640x352 frame next to ~6 ms of decoding per sampled frame), so a quarter of a worker's cores
+    (at least one thread) encode and the rest decode; the main thread of each stream writes its tar beside them.
+    One video's decoder does not scale with threads: decord on the 16-core host decoded 32 clips in 10.5 s with
+    12 threads in one process and in 1.9 s with one thread in each of 16 (BENCHMARKS.md, Prep, session 7), so a
+    worker decodes several videos at once instead: one stream per decoding core, each with one decoder thread
+    (decord, PyAV and the resize + JPEG release the GIL while they work). With fewer tasks than that (one long
+    video, a small build) the streams it cannot fill become decoder threads of the ones it runs. On the 2-core box
+    one worker runs 2 streams of 1 + 1 threads; with more workers than cores each gets one stream of 1 + 1 (the
+    encoder mostly waits). Thread counts never change what a shard holds (tests/test_prep_build.py).
     """
     per_worker = max(1, _cores() // workers)
     encode = max(1, per_worker // 4)
-    return max(1, per_worker - encode), encode
+    decode_cores = max(1, per_worker - per_worker // 4)
+    # the most tasks one process can be given at once: its share of them, rounded up
+    streams = decode_cores if tasks is None else max(1, min(decode_cores, -(-tasks // workers)))
+    return ThreadSplit(streams=streams, decode=max(1, (per_worker - encode) // streams),
+                       encode=max(1, encode // streams))
+
+
+def _thread_split(config: BuildConfig, tasks: int) -> ThreadSplit:
+    """worker_threads for a local CPU build; one stream elsewhere: a Ray task gets one CPU (one decoder thread +
+    one encode thread, as a local worker on a full machine), --device cuda's few processes share one GPU."""
+    if config.ray is not None or config.device == "cuda":
+        return ThreadSplit(streams=1, decode=1, encode=1)
+    return worker_threads(config.workers, tasks)
 
 
 def _cores() -> int:
@@ -794,36 +819,38 @@ def _build_locked(config: BuildConfig, pool: Pool) -> dict:
         _check_plan(out, config, groups)
         write_records(out / INPUT_REJECTS, input_rejects, RejectRecord)
 
-    # a Ray task gets one CPU: one decoder thread + one encode thread, as a local worker on a full machine
-    decode_threads, encode_threads = worker_threads(config.workers) if config.ray is None else (1, 1)
+    shard_paths = [ShardPaths(out.absolute(), shard_name(i)) for i in range(len(unit_groups))]
+    # --part K/N: every K-th shard (round robin: long and short videos spread over the parts)
+    mine = [i for i in range(len(unit_groups)) if part is None or i % part[1] == part[0] - 1]
+    if part is not None:
+        with io_stage("clean", out):  # only this part's own stale temps: the other parts may be writing theirs
+            sweep_temps(out, tuple(shard_paths[i].name + "." for i in mine))
+    todo = []
+    for i in mine:
+        why = shard_paths[i].incomplete()
+        if why is None:
+            continue
+        if shard_paths[i].stats.is_file():  # looked complete: say why it is rebuilt instead of trusting it
+            print(f"prep build: rebuilding {shard_paths[i].name}: {why}", file=sys.stderr)
+        todo.append(i)  # process_shard clears what is left of it, stats first
+    if config.assemble and todo:
+        names = ", ".join(f"{shard_paths[i].name} ({shard_paths[i].incomplete()})" for i in todo[:5])
+        raise BuildError(f"--assemble: {len(todo)} of {len(unit_groups)} shards are not complete: {names}"
+                         f"{', ...' if len(todo) > 5 else ''}; finish their --part builds (or run this command "
+                         f"without --assemble to build them here)")
+
+    split = _thread_split(config, len(todo))
     settings = WorkerSettings(budget=budget, tokenizer=str(config.tokenizer) if config.tokenizer else None,
                               bound=bound, prompt_layout=config.prompt_layout, jpeg_quality=config.jpeg_quality,
                               decoder=config.decoder, device=config.device, decode_timeout=config.decode_timeout,
-                              decode_threads=decode_threads, encode_threads=encode_threads)
+                              decode_threads=split.decode, encode_threads=split.encode)
     tasks = [ShardTask(index=i, out=out.absolute(), videos=[j for key in g for j in units[key]], settings=settings)
              for i, g in enumerate(unit_groups)]
-    # --part K/N: every K-th shard (round robin: long and short videos spread over the parts)
-    mine = tasks if part is None else [t for t in tasks if t.index % part[1] == part[0] - 1]
-    if part is not None:
-        with io_stage("clean", out):  # only this part's own stale temps: the other parts may be writing theirs
-            sweep_temps(out, tuple(t.paths.name + "." for t in mine))
-    pending = []
-    for t in mine:
-        why = t.paths.incomplete()
-        if why is None:
-            continue
-        if t.paths.stats.is_file():  # looked complete: say why it is rebuilt instead of trusting it
-            print(f"prep build: rebuilding {t.paths.name}: {why}", file=sys.stderr)
-        pending.append(t)  # process_shard clears what is left of it, stats first
-    if config.assemble and pending:
-        names = ", ".join(f"{t.paths.name} ({t.paths.incomplete()})" for t in pending[:5])
-        raise BuildError(f"--assemble: {len(pending)} of {len(tasks)} shards are not complete: {names}"
-                         f"{', ...' if len(pending) > 5 else ''}; finish their --part builds (or run this command "
-                         f"without --assemble to build them here)")
+    mine, pending = [tasks[i] for i in mine], [tasks[i] for i in todo]
     pending.sort(key=_decode_weight, reverse=True)  # largest first: the last shards to start are the short ones
     t0 = time.perf_counter()
     with io_stage("shards", out):  # the workers name their own stage and file (write shard, sidecars, stats)
-        _run_shards(pending, config, pool)
+        _run_shards(pending, config, pool, split.streams)
     shards_s = time.perf_counter() - t0
     with io_stage("clean", out):  # temps of attempts that were killed and retried (a Ray task, a stalled worker)
         sweep_temps(out, None if part is None else tuple(t.paths.name + "." for t in mine))
@@ -950,7 +977,7 @@ def _probe_all(paths: list[str], config: BuildConfig, pool: Pool) -> list[ProbeR
     return out
 
 
-def _run_shards(tasks: list[ShardTask], config: BuildConfig, pool: Pool) -> None:
+def _run_shards(tasks: list[ShardTask], config: BuildConfig, pool: Pool, streams: int) -> None:
     """Process shards in the workers with a progress bar fed per video. A file whose decode stalls is
     dropped from its shard (decode_timeout rejects) and the shard is rebuilt without it."""
     from tqdm import tqdm
@@ -974,8 +1001,8 @@ def _run_shards(tasks: list[ShardTask], config: BuildConfig, pool: Pool) -> None
     pool.keep(config.workers if config.ray is None else 0)  # the probe's extra processes exit while shards start
     try:
         if config.ray is None:
-            results = distribute(process_shard, tasks, processes=config.workers, stall_s=_stall_s(config),
-                                 on_stall=on_stall, on_progress=update, pool=pool)
+            results = distribute(process_shard, tasks, processes=config.workers, streams=streams,
+                                 stall_s=_stall_s(config), on_stall=on_stall, on_progress=update, pool=pool)
         else:  # a Ray task per shard; each runs the shard under the same watchdog on its node
             from prep import ray_distributor
 
@@ -1072,8 +1099,10 @@ def parser() -> argparse.ArgumentParser:
     a("--samples-per-shard", type=int, default=256, help="target samples per shard (whole videos; a shard may hold fewer)")
     a("--shard-size-mb", type=float, default=1024.0, help="soft cap on estimated shard size in MiB (0: none)")
     a("--workers", type=int, default=None,
-      help="processes that build shards, each with cores // workers decode + encode threads (default: all cores); "
-           "probing runs in max(cores, workers) single-threaded processes, the same ones")
+      help="processes that build shards (default: all cores); each keeps cores // workers cores busy by building "
+           "up to 3/4 of that many shards at once, one decoder thread each (fewer shards: more decoder threads "
+           "each), with a quarter of the cores for resize + JPEG (prep.build.worker_threads); probing runs in "
+           "max(cores, workers) single-threaded processes, the same ones")
     a("--decode-timeout", type=float, default=DECODE_TIMEOUT_S,
       help="seconds a video's probe or decode may go without finishing a window; past it the video is rejected "
            "(decode_timeout), its worker process is killed and replaced, and the build goes on (0: no watchdog)")

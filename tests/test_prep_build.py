@@ -167,6 +167,54 @@ def test_decode_failure_mid_video_rejects_the_remaining_windows(synth_videos_dir
     assert len(tar_keys(tmp_path / "out")) == 10
 
 
+def test_shards_built_several_at_once_per_worker_equal_the_sequential_ones(synth_videos_dir, tmp_path, monkeypatch):
+    """One worker running 4 shard tasks at once (streams, each 2 decoder threads) against one at a time with
+    one decoder thread: the same tar bytes, sidecars, manifest, rejects and build.json (timings aside),
+    with a decoder failing mid-video in one of the streams."""
+    import prep.build as pb
+    from prep.decode import DecodeError
+
+    real_decode, real_distribute = pb.decode_windows, pb.distribute
+
+    def failing(path, indices, **kw):  # vid_b's decoder dies after its first window
+        for i, item in enumerate(real_decode(path, indices, **kw)):
+            if "vid_b" in path and i == 1:
+                raise DecodeError("decord failed on frames 64..120 of vid_b.mp4: simulated")
+            yield item
+
+    used = []
+
+    def spy(worker, tasks, **kw):
+        if worker is pb.process_shard:
+            used.append((kw["streams"], tasks[0].settings.decode_threads))
+        return real_distribute(worker, tasks, **kw)
+
+    monkeypatch.setattr(pb, "decode_windows", failing)
+    monkeypatch.setattr(pb, "distribute", spy)
+    args = {**BUILT_SHARDS_ARGS, "samples_per_shard": 3}  # one shard per video: 4 tasks
+    outs = {}
+    for streams, decode in ((1, 1), (4, 2)):
+        monkeypatch.setattr(pb, "worker_threads", lambda workers, tasks: pb.ThreadSplit(streams=streams, decode=decode,
+                                                                                          encode=1))
+        outs[streams] = tmp_path / f"streams{streams}"
+        build(BuildConfig(videos=synth_videos_dir, out=outs[streams], **args))
+    assert used == [(1, 1), (4, 2)]
+
+    def content(out: Path) -> dict:
+        record = json.loads((out / "build.json").read_text())
+        for k in ("timings_s", "throughput"):
+            del record["summary"][k]
+        assert record["config"].pop("out") == str(out)
+        return {"build.json": record, **{p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                                         for p in sorted(out.iterdir()) if not p.name.endswith(("build.json", ".lock"))
+                                         and ".stats" not in p.name}}
+
+    one, four = content(outs[1]), content(outs[4])
+    assert one == four and len([n for n in one if n.endswith(".tar")]) == 4
+    rejects = read_records(outs[4] / "rejects.parquet", RejectRecord)
+    assert [(r.video_id, r.reason) for r in rejects] == [("vid_b", "decode_error")] * 2
+
+
 def test_qvhighlights_queries_of_one_file_share_one_decode(tmp_path, monkeypatch):
     import prep.build as pb
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from prep.build import EXIT_IO, EXIT_LOCKED, BuildConfig, build, cli
+import prep.build
+from prep.build import EXIT_IO, EXIT_LOCKED, BuildConfig, ThreadSplit, build, cli
 from prep.faults import FAULT_ENV
 from prep.outdir import LOCK_FILE
 from prep.shards import ShardPaths, ShardWriter
@@ -306,6 +307,9 @@ def test_a_full_disk_ends_in_one_line_and_the_same_command_then_gives_the_refere
     else:
         out = tmp_path / "out"
         monkeypatch.setenv(FAULT_ENV, "enospc:shard-000001.tar")  # the write that would not fit fails
+    # one shard at a time, in plan order (shard 0 is the larger one): the disk arithmetic above needs shard 0
+    # finished before shard 1 writes (several at once, a failing shard stops the others mid-write)
+    monkeypatch.setattr(prep.build, "worker_threads", lambda workers, tasks: ThreadSplit(streams=1, decode=1, encode=1))
     args = cli_args(synth_videos_dir, out)[4:]  # the flags of `python -m prep build`, run in this process
     assert cli(args) == EXIT_IO
     line = one_error_line(capfd)
