@@ -3,8 +3,8 @@
     for index, result in distribute(worker, tasks, processes=4, stall_s=300, on_stall=...): ...
 
 Each worker process runs `worker(task)` for up to `streams` tasks at once, each in a thread of its own (1 by
-default; the build runs several shards per process so that one process keeps its cores busy: a decoder
-releases the GIL while it decodes), and a task reports progress with `heartbeat(label)` (the build beats once
+default; the build runs several shards per process so that one process keeps its cores busy, which pays
+where the work releases the GIL, as C decoders and encoders can), and a task reports progress with `heartbeat(label)` (the build beats once
 per decoded window, naming the video file). The watchdog times every task by its own beats. A task whose
 last beat is older than `stall_s` is stuck (decord 0.6's get_batch hang is the most reported decoder
 problem): its process is killed with SIGKILL and replaced by a fresh one, and `on_stall(task, label,
