@@ -713,8 +713,8 @@ def worker_threads(workers: int, tasks: int | None = None) -> ThreadSplit:
     One video's decoder does not scale with threads: decord on the 16-core host decoded 32 clips in 10.5 s with
     12 threads in one process and in 1.9 s with one thread in each of 16 (BENCHMARKS.md, Prep, session 7), so a
     worker decodes several videos at once instead: one stream per decoding core, each with one decoder thread
-    (threads of one process: this pays where decoding and resize + JPEG release the GIL; BENCHMARKS.md, Prep,
-    says what was measured). With fewer tasks than that (one long
+    (threads of one process: decord, PyAV, torchcodec and the resize + JPEG release the GIL while they work, and
+    two decoding threads kept up with two processes on the 2-core box; BENCHMARKS.md, Prep). With fewer tasks than that (one long
     video, a small build) the streams it cannot fill become decoder threads of the ones it runs. On the 2-core box
     one worker runs 2 streams of 1 + 1 threads; with more workers than cores each gets one stream of 1 + 1 (the
     encoder mostly waits). Thread counts never change what a shard holds (tests/test_prep_build.py).

@@ -3,15 +3,15 @@
     for index, result in distribute(worker, tasks, processes=4, stall_s=300, on_stall=...): ...
 
 Each worker process runs `worker(task)` for up to `streams` tasks at once, each in a thread of its own (1 by
-default; the build runs several shards per process so that one process keeps its cores busy, which pays
-where the work releases the GIL, as C decoders and encoders can), and a task reports progress with `heartbeat(label)` (the build beats once
-per decoded window, naming the video file). The watchdog times every task by its own beats. A task whose
-last beat is older than `stall_s` is stuck (decord 0.6's get_batch hang is the most reported decoder
-problem): its process is killed with SIGKILL and replaced by a fresh one, and `on_stall(task, label,
-waited_s)` decides what the task becomes: `Retry(task)` runs a changed task (the build drops the stuck video
-from its shard), anything else is the task's result. The other tasks that process was running did not stall:
-they run again from the start (a worker must be idempotent; the shard writer is). Results come back in
-completion order with their task index.
+default; the build runs several shards per process so that one process keeps its cores busy: decord, PyAV,
+torchcodec and the resize + JPEG release the GIL while they work, measured in BENCHMARKS.md, Prep), and a
+task reports progress with `heartbeat(label)` (the build beats once per decoded window, naming the video
+file). The watchdog times every task by its own beats. A task whose last beat is older than `stall_s` is
+stuck (decord 0.6's get_batch hang is the most reported decoder problem): its process is killed with SIGKILL
+and replaced by a fresh one, and `on_stall(task, label, waited_s)` decides what the task becomes:
+`Retry(task)` runs a changed task (the build drops the stuck video from its shard), anything else is the
+task's result. The other tasks that process was running did not stall: they run again from the start (a
+worker must be idempotent; the shard writer is). Results come back in completion order with their task index.
 
 Processes are forked (the parent has not opened a decoder); each dies with the parent (PR_SET_PDEATHSIG),
 ignores SIGINT (the parent stops everyone on Ctrl-C) and never outlives `distribute`, or, given `pool=Pool()`,
