@@ -73,12 +73,12 @@ LEGS: dict[str, tuple[str, ...]] = {
     # the step-overhead levers that ship on, each turned off alone
     "auto-no-batched-vision": ("--no-batched-vision-attention",),
     "auto-no-fused-grad-checks": ("--no-fused-grad-checks",),
-    # ZeRO-3 on one rank with every parameter whole: nothing to prefetch, so the prefetch bookkeeping off
     # checkpointed layers keep their attention output (the long-window lever: only the cheap part recomputed)
     "auto-keep-attention": ("--no-recompute-attention",),
     "auto-recompute-attention": ("--recompute-attention",),  # what auto picked before it could keep them
     "auto-liger-kernels": ("--liger-kernels",),  # Qwen3.5 (liger is on by default for Qwen3-VL only)
     "zero3-no-fused-grad-checks": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--no-fused-grad-checks"),
+    # ZeRO-3 on one rank with every parameter whole: nothing to prefetch, so the prefetch bookkeeping off
     "zero3-no-prefetch": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--prefetch-bucket-size", "1"),
     "zero2-vision-in-forward": ("--zero-stage", "2", "--gradient-checkpointing", "all", "--no-vision-no-grad",
                                 "--vision-chunk-frames", "0"),

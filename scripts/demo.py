@@ -9,7 +9,7 @@ line it prints names it; its output goes to OUT/logs/). Stages that do not need 
 the same time (both prep builds; scoring the random model beside training; verify beside predict; evaluate
 beside export): most of a short stage is its interpreter's start (imports, model load, one thread), which
 the other core would otherwise spend idle. It ends with the held-out numbers before and after training.
-About 2 to 2.5 minutes on 2 CPU cores nobody else is using (128-148 s measured: 900 training steps of
+About 2 to 2.5 minutes on 2 CPU cores nobody else is using (126-148 s measured: 900 training steps of
 0.10-0.12 s); a GPU is used when there is one.
 
     python -m scripts.demo --out demo      # then open demo/review.html in a browser

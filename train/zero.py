@@ -112,12 +112,14 @@ def _fuse_stage3_norm(optimizer, fp64_norms) -> list[str]:
         if float(norm_type) != 2.0 or self._autoep_expert_parallel_group(params) is not None:
             return original_norm(gradients, params, norm_type)
         import deepspeed.comm as dist
+        from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
 
         self._assert_same_partition_group(params)
         total = fp64_norms(gradients).square().sum()
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._get_param_partition_group(params[0]))
         total = total.sqrt()
-        return torch.where(total.isfinite(), total, torch.full_like(total, -1.0))  # DeepSpeed's sentinel
+        mask_nan_or_inf_with_val_inplace(total, device=self.device)  # DeepSpeed's sentinel for a non-finite norm
+        return total
 
     optimizer.get_grad_norm_direct = types.MethodType(get_grad_norm_direct, optimizer)
     return ["get_grad_norm_direct"]
