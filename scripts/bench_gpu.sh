@@ -11,6 +11,9 @@
 #   mkdir -p shared/anchors && cp ../shared/anchors/plain_stack_step.py shared/anchors/   # untracked: carried
 # Qwen3.5 with fla needs Triton >= 3.7.1 on Hopper; its wheel ships no ptxas, so point Triton at the image's
 # (resolved before the newer Triton goes on PYTHONPATH):
+# To fit the 64 MiB carry, strip Triton's wheel of ptxas-blackwell, cuobjdump, nvdisasm, cupti, proton and
+# instrumentation and `strip --strip-unneeded` libtriton.so; keep backends/amd (Triton imports it at start;
+# session 8 lost a call without it).
 #   export TRITON_PTXAS_PATH=$(PYTHONPATH= python -c "import triton, os; print(os.path.dirname(triton.__file__))")/backends/nvidia/bin/ptxas
 # Each leg that needs a missing optional kernel (flash-attn, bitsandbytes, fla) records the refusal and the
 # bench goes on.
