@@ -38,6 +38,7 @@ from prep.decoders import available as decoder_available
 from prep.gpu import BACKEND as GPU_BACKEND
 from prep.gpu import GPU_WORKERS
 from prep.gpu import JPEG as GPU_JPEG
+from prep.gpu import clashing_modules
 from prep.gpu import RESIZE as GPU_RESIZE
 from prep.gpu import available as gpu_available
 from prep.outdir import (PLAN_FILE, BuildIOError, BuildLock, BuildLocked, io_stage, our_files, part_lock_name, sweep_temps,
@@ -175,7 +176,7 @@ class BuildConfig:
             p.append("--jpeg-quality must be in 1..100")
         if self.decoder not in BACKENDS:
             p.append(f"--decoder must be one of {BACKENDS}, got {self.decoder!r}")
-        elif why := decoder_available(self.decoder):
+        elif why := decoder_available(self.decoder, isolated=self.device == "cuda"):  # cuda: never loaded here
             p.append(why)
         if self.device not in DEVICES:
             p.append(f"--device must be one of {DEVICES}, got {self.device!r}")
@@ -188,6 +189,11 @@ class BuildConfig:
                          "with --ray")
             if why := gpu_available():  # a child process checks: CUDA must stay uninitialized before the fork
                 p.append(why)
+            if loaded := clashing_modules():  # the NVDEC workers are forked from this process (prep/gpu.py, Workers)
+                p.append(f"--device cuda forks its NVDEC workers from this process, which has already imported "
+                         f"{' and '.join(loaded)} (PyNvVideoCodec's CreateDecoder segfaulted in every process that had "
+                         f"used decord or PyAV; BENCHMARKS.md, GPU decode): run `python -m prep build` in a fresh "
+                         f"process, or call build() before anything imports them")
         if self.samples_per_shard < 1:
             p.append("--samples-per-shard must be >= 1")
         if self.workers is not None and self.workers < 1:
@@ -419,6 +425,8 @@ def probe_one(path: str) -> ProbeResult | ProbeFailure:
 def process_shard(task: ShardTask) -> dict:
     """Build one shard from scratch: plan, tokenize, decode each file once, write; stats.json last.
     A file in task.timed_out (its decode hung in an earlier attempt) is not opened: its windows are rejects."""
+    if task.settings.device == "cuda":
+        _refuse_clashing_modules(task)
     paths = task.paths
     _one_torch_thread()
     with io_stage("write shard", paths.tar):
@@ -454,6 +462,19 @@ def process_shard(task: ShardTask) -> dict:
     with io_stage("write stats", paths.stats):
         write_stats(paths, stats)
     return stats
+
+
+def _refuse_clashing_modules(task: ShardTask) -> None:
+    """A --device cuda shard runs only in a process without decord or PyAV loaded (prep/gpu.py, Workers). The build
+    ensures it; this says so, before anything is written, if something broke that: a BuildError that stops the
+    build, naming the module and the file NVDEC was about to open, instead of a segfault there (a WorkerDied
+    naming no cause) or a decode_error reject per window: the cause is the process, not the file, and rejects
+    would sit in a complete shard that a rerun from a fresh process then skips."""
+    if loaded := clashing_modules():
+        raise BuildError(f"{task.paths.name}: this --device cuda worker (pid {os.getpid()}) has {' and '.join(loaded)} "
+                         f"loaded before NVDEC opens {task.videos[0].probe.path} (PyNvVideoCodec's CreateDecoder "
+                         f"segfaulted in every process that had used decord or PyAV; BENCHMARKS.md, GPU decode): "
+                         f"nothing of the shard was written; run `python -m prep build` in a fresh process")
 
 
 def warm_shard_worker(task: ShardTask) -> None:
@@ -763,7 +784,7 @@ def build(config: BuildConfig) -> dict:
                 print(f"prep build: took over {lock.path} from {lock.previous}: that build ended without releasing "
                       f"it (killed?); its unfinished shards are rebuilt", file=sys.stderr)
         # any OS error a named stage below did not catch; the probes' processes build the shards too (one
-        # fork round), the pool stops them at the end
+        # fork round; not under --device cuda: _run_shards), the pool stops them at the end
         with io_stage("build", config.out), Pool() as pool:
             return _build_locked(config, pool)
     finally:
@@ -999,7 +1020,9 @@ def _run_shards(tasks: list[ShardTask], config: BuildConfig, pool: Pool, streams
         bar.update(videos)
 
     on_stall = ShardStall(decode_timeout=config.decode_timeout)
-    pool.keep(config.workers if config.ray is None else 0)  # the probe's extra processes exit while shards start
+    # the probe's extra processes exit while shards start; under cuda all of them: they loaded decord and PyAV,
+    # and NVDEC must open in processes that never did (prep/gpu.py, Workers), forked afresh from this one
+    pool.keep(config.workers if config.ray is None and config.device != "cuda" else 0)
     try:
         if config.ray is None:
             results = distribute(process_shard, tasks, processes=config.workers, streams=streams,
@@ -1103,7 +1126,7 @@ def parser() -> argparse.ArgumentParser:
       help="processes that build shards (default: all cores); each keeps cores // workers cores busy by building "
            "up to 3/4 of that many shards at once, one decoder thread each (fewer shards: more decoder threads "
            "each), with a quarter of the cores for resize + JPEG (prep.build.worker_threads); probing runs in "
-           "max(cores, workers) single-threaded processes, the same ones")
+           "max(cores, workers) single-threaded processes, the same ones (--device cuda: fresh ones build the shards)")
     a("--decode-timeout", type=float, default=DECODE_TIMEOUT_S,
       help="seconds a video's probe or decode may go without finishing a window; past it the video is rejected "
            "(decode_timeout), its worker process is killed and replaced, and the build goes on (0: no watchdog)")

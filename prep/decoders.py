@@ -56,8 +56,21 @@ def open_reader(backend: str, path: str, *, num_threads: int = 1, rotation: int 
     return _READERS[backend](path, num_threads=num_threads, rotation=rotation)
 
 
-def available(backend: str) -> str | None:
-    """None when `backend` can decode here, else why not (missing package, missing FFmpeg libraries)."""
+def available(backend: str, *, isolated: bool = False) -> str | None:
+    """None when `backend` can decode here, else why not (missing package, missing FFmpeg libraries).
+    isolated: ask a child process, so this one never loads the decoder's libraries (`--device cuda` forks its
+    NVDEC workers from this process; prep/gpu.py, Workers)."""
+    if isolated:
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        code = "import sys; from prep.decoders import available; sys.exit(available(sys.argv[1]) or 0)"
+        run = subprocess.run([sys.executable, "-c", code, backend], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parents[1])
+        if run.returncode == 0:
+            return None
+        return (run.stderr.strip().splitlines() or [f"--decoder {backend}: the check exited {run.returncode}"])[-1]
     try:
         if backend == "decord":
             import decord  # noqa: F401

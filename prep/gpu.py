@@ -27,7 +27,11 @@ Rotation: NVDEC returns coded frames; they are rotated by the probe's rotation o
 Refused per file (decode_error rejects naming --device cpu): surfaces that are not 8-bit 4:2:0 (NV12).
 Workers: a few processes share the GPU (--workers, default min(cores, GPU_WORKERS)); the shard stays the unit of
 work and each process opens its own CUDA context after the fork (the parent never initializes CUDA: the
-availability check runs in a child process).
+availability check runs in a child process). They are processes that never loaded decord or PyAV (CLASHING): on
+the H200 host PyNvVideoCodec 2.2.4's CreateDecoder segfaulted in every process that had decoded with decord
+(session 8: after PyAV alone it decoded; BENCHMARKS.md, GPU decode). PyAV is kept out too: the probe loads both. So the build's parent never imports them under
+--device cuda (its decoder check runs in a child process), the probe's processes (which use both) exit before
+the shard workers are forked, and a shard worker that finds one loaded refuses its shard (prep.build.process_shard).
 """
 from __future__ import annotations
 
@@ -49,6 +53,8 @@ BACKEND = "pynvvideocodec (NVDEC)"
 RESIZE = ("torch uint8 bicubic, antialias=True, to the planned size: the CPU kernel's fixed-point weights as float64 "
           "matrix products on CUDA (the same pixels as the CPU path)")
 JPEG = "torchvision.io.encode_jpeg on CUDA (nvjpeg)"
+# kept out of NVDEC processes: decord measured to crash CreateDecoder, PyAV not (the Workers paragraph)
+CLASHING = ("decord", "av")
 _CHECK_TIMEOUT_S = 120.0
 _CHUNK_VALUES = 1 << 26  # float64 values resized at once (512 MiB)
 _ROOT = str(Path(__file__).resolve().parents[1])  # where `prep` imports from, for the check's child process
@@ -94,6 +100,11 @@ def available() -> str | None:
         return None
     why = (run.stderr.strip().splitlines() or [f"exit code {run.returncode}"])[-1]
     return f"--device cuda cannot run here: {why}"
+
+
+def clashing_modules() -> list[str]:
+    """The CLASHING modules this process has imported (a process that is to open NVDEC must have none)."""
+    return [name for name in CLASHING if name in sys.modules]
 
 
 @functools.lru_cache(maxsize=1)

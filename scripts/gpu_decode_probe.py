@@ -15,6 +15,12 @@ Stages, each in its own try/except (a failure is recorded with its traceback and
            absolute difference (tolerance mean <= 1.0, max <= 8); and the CPU resize+JPEG vs the GPU one
   stages   frames/s of NVDEC decode (all frames, and the windows' frames as the build asks), GPU resize, nvjpeg,
            next to one CPU core's decord / resize / PIL JPEG on the same frames; on a 640x360 and a 1080p clip
+           (stages_hd)
+NVDEC runs only in spawned children that never import decord or PyAV (nvdec_api; parity_nvdec and stages_nvdec
+record `loaded_before_nvdec`, [] by construction); only nvdec_after_* mix them, on purpose. parity and stages
+plan, decode with decord / PyAV and time the CPU in a child of their own (parity_reference, stages_cpu) and
+hand the plans over as data and the frames as .npz files under --work; parity compares in this process. The
+builds' NVDEC workers are fresh processes too (prep/gpu.py, Workers).
   builds   `python -m prep build` (subprocesses) on the set: --workers 16 on CPU vs --device cuda --workers 4/8/16,
            --repeats rounds, realtime factors (build.json, shards stage) and wall seconds, ratio GPU / CPU; then
            per-frame pixel differences between the CPU build's JPEGs and the best GPU build's; then, while the
@@ -222,8 +228,9 @@ def _safe_write(job: tuple) -> str:
 # ----------------------------------------------------------------------------------------------- parity
 
 
-def _plan(path: str) -> tuple:
-    """The build's windows and frame plans for one file (default budget, 16 s windows at 2 fps)."""
+def _plan(path: str) -> dict:
+    """The build's windows and frame plans for one file (default budget, 16 s windows at 2 fps), as plain data a
+    child that never imports decord or PyAV can take: the probe's fields, each window's frame indices and size."""
     from prep.budget import VideoBudget, plan_frames
     from prep.probe import ProbeResult, probe_video
     from prep.windows import MIN_LAST_S, make_windows
@@ -235,7 +242,9 @@ def _plan(path: str) -> tuple:
     plans = [plan_frames(budget, height=probe.height, width=probe.width, fps=probe.fps, total_frames=probe.frames,
                          start_s=w.start_s, end_s=w.end_s)
              for w in make_windows(probe.duration_s, 16.0, 16.0, "keep", MIN_LAST_S)]
-    return probe, plans
+    return {"path": path, "codec": probe.codec, "size": [probe.width, probe.height], "height": probe.height,
+            "width": probe.width, "rotation": probe.rotation, "frames": probe.frames, "duration_s": probe.duration_s,
+            "indices": [list(p.frame_indices) for p in plans], "sizes": [[p.height, p.width] for p in plans]}
 
 
 def _diff(a: np.ndarray, b: np.ndarray) -> tuple[float, int]:
@@ -243,90 +252,192 @@ def _diff(a: np.ndarray, b: np.ndarray) -> tuple[float, int]:
     return float(d.mean()), int(d.max())
 
 
-def parity(clips: list[str]) -> dict:
-    import io
-
+def _sync() -> None:
+    """Wait for the GPU's queued work (none to wait for where torch sees no GPU: the CPU test's stand-in)."""
     import torch
-    from PIL import Image
 
-    from prep import gpu
-    from prep.decode import decode_windows, encode_frame
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
+
+def parity(clips: list[str], work: Path) -> dict:
+    """Per clip: the plan and the CPU decoders' frames in one spawned child (parity_reference), NVDEC's in another
+    that never imports decord or PyAV (parity_nvdec; session 7: NVDEC segfaulted in processes that had used
+    them), frames passed as .npz files under `work`; compared here (parity_compare)."""
+    folder = Path(work) / "parity_frames"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    refs = isolated(parity_reference, clips, str(folder))
+    todo = {name: ref for name, ref in refs.items() if "error" not in ref}
+    got = isolated(parity_nvdec, todo, str(folder)) if todo else {}
     out = {}
-    for path in clips:
-        name = Path(path).name
+    for name, ref in refs.items():
         try:
-            probe, plans = _plan(path)
-            indices = [p.frame_indices for p in plans]
-            ref = dict(decode_windows(path, indices, backend="decord"))
-            got = {pos: f.cpu().numpy() for pos, f in
-                   gpu.decode_windows(path, indices, rotation=probe.rotation, size=(probe.height, probe.width))}
-            means, peaks, over = [], [], 0
-            for pos, frames in ref.items():
-                for a, b in zip(frames, got[pos]):
-                    m, p = _diff(a, b)
-                    means.append(m)
-                    peaks.append(p)
-                    over += m > MEAN_TOL or p > MAX_TOL
-            # PyAV decodes forward without seeking (exact by construction): decord's seeks go wrong on some
-            # B-frame streams (measured: HEVC from libx265 past frame ~250), so a difference to decord alone
-            # does not say which decoder is wrong
-            pyav = dict(decode_windows(path, indices, backend="pyav", rotation=probe.rotation))
-            vs_pyav = [_diff(a, b) for pos in pyav for a, b in zip(pyav[pos], got[pos])]
-            decord_vs_pyav = [_diff(a, b) for pos in pyav for a, b in zip(pyav[pos], ref[pos])]
-            jm, jp = [], []  # the whole frame path: CPU resize + PIL JPEG vs GPU resize + nvjpeg
-            for pos in list(ref)[:2]:
-                plan = plans[pos]
-                gpu_jpegs = gpu.encode_jpegs(gpu.resize_frames(torch.from_numpy(got[pos]).cuda(), plan.height,
-                                                               plan.width), 95)
-                for frame, j in zip(ref[pos], gpu_jpegs):
-                    cpu = np.asarray(Image.open(io.BytesIO(encode_frame(frame, plan.height, plan.width, 95))))
-                    m, p = _diff(cpu, np.asarray(Image.open(io.BytesIO(j)).convert("RGB")))
-                    jm.append(m)
-                    jp.append(p)
-            out[name] = {"codec": probe.codec, "size": [probe.width, probe.height], "rotation": probe.rotation,
-                         "probe_frames": probe.frames, "windows": len(indices),
-                         "frames_compared": len(means), "frames_asked": sum(len(i) for i in indices),
-                         "decode_mean_max": round(max(means), 4), "decode_mean_avg": round(float(np.mean(means)), 4),
-                         "decode_peak_max": max(peaks), "frames_over_tolerance": over,
-                         "jpeg_mean_max": round(max(jm), 4) if jm else None, "jpeg_peak_max": max(jp) if jp else None,
-                         "within_tolerance": over == 0 and len(means) == sum(len(i) for i in indices),
-                         "vs_pyav_mean_max": round(max(m for m, _ in vs_pyav), 4),
-                         "vs_pyav_peak_max": max(p for _, p in vs_pyav),
-                         "vs_pyav_over_tolerance": sum(m > MEAN_TOL or p > MAX_TOL for m, p in vs_pyav),
-                         "decord_vs_pyav_over_tolerance": sum(m > MEAN_TOL or p > MAX_TOL for m, p in decord_vs_pyav)}
+            if "error" in ref or "error" in got[name]:
+                out[name] = ref if "error" in ref else got[name]
+            else:
+                out[name] = {**parity_compare(ref, folder), "loaded_before_nvdec": got[name]["loaded_before_nvdec"]}
         except Exception as e:
             out[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2500:]}
         print(f"[gpu_decode_probe]   parity {name}: {json.dumps(out[name])[:400]}", flush=True)
     return out
 
 
+def parity_reference(clips: list[str], folder: str) -> dict:
+    """The CPU side of parity, in its own child: per clip the plan (_plan), decord's and PyAV's frames of every
+    window and the CPU path's resize + PIL JPEG (decoded back to pixels) of the first 2, in FOLDER/NAME.cpu.npz."""
+    import io
+
+    from PIL import Image
+
+    from prep.decode import decode_windows, encode_frame
+
+    out = {}
+    for path in clips:
+        name = Path(path).name
+        try:
+            plan = _plan(path)
+            indices = plan["indices"]
+            arrays = {}
+            for pos, frames in decode_windows(path, indices, backend="decord"):
+                arrays[f"decord{pos}"] = np.stack(frames)
+                if pos < 2:
+                    height, width = plan["sizes"][pos]
+                    arrays[f"cpujpeg{pos}"] = np.stack([np.asarray(Image.open(io.BytesIO(
+                        encode_frame(f, height, width, 95)))) for f in frames])
+            # PyAV decodes forward without seeking (exact by construction): decord's seeks go wrong on some
+            # B-frame streams (measured: HEVC from libx265 past frame ~250), so a difference to decord alone
+            # does not say which decoder is wrong
+            for pos, frames in decode_windows(path, indices, backend="pyav", rotation=plan["rotation"]):
+                arrays[f"pyav{pos}"] = np.stack(frames)
+            np.savez(Path(folder) / f"{name}.cpu.npz", **arrays)
+            out[name] = plan
+        except Exception as e:
+            out[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2500:]}
+    return out
+
+
+def parity_nvdec(plans: dict, folder: str) -> dict:
+    """The NVDEC side of parity, in a child that imports torch, numpy and PyNvVideoCodec (prep.gpu), never decord
+    or PyAV: per clip (plans: parity_reference's) the windows' frames by gpu.decode_windows, and the GPU resize +
+    nvjpeg of the first 2, in FOLDER/NAME.nvdec.npz; {name: {"loaded_before_nvdec": []} or an error}."""
+    from prep import gpu
+
+    out = {}
+    for name, plan in plans.items():
+        try:
+            loaded = gpu.clashing_modules()  # nothing, by construction: recorded as the evidence
+            arrays = {}
+            for pos, frames in gpu.decode_windows(plan["path"], plan["indices"], rotation=plan["rotation"],
+                                                  size=(plan["height"], plan["width"])):
+                arrays[f"nvdec{pos}"] = frames.cpu().numpy()
+                if pos < 2:
+                    for i, jpeg in enumerate(gpu.encode_jpegs(gpu.resize_frames(frames, *plan["sizes"][pos]), 95)):
+                        arrays[f"gpujpeg{pos}_{i}"] = np.frombuffer(jpeg, np.uint8)
+            np.savez(Path(folder) / f"{name}.nvdec.npz", **arrays)
+            out[name] = {"loaded_before_nvdec": loaded}
+        except Exception as e:
+            out[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2500:]}
+    return out
+
+
+def parity_compare(plan: dict, folder: Path) -> dict:
+    """One clip's parity row from the two children's files: NVDEC vs decord and vs PyAV per frame (tolerance mean
+    <= 1.0, max <= 8), decord vs PyAV, and the CPU resize + JPEG vs the GPU one (first 2 windows)."""
+    import io
+
+    from PIL import Image
+
+    name = Path(plan["path"]).name
+    with np.load(Path(folder) / f"{name}.cpu.npz") as f:
+        cpu = dict(f)
+    with np.load(Path(folder) / f"{name}.nvdec.npz") as f:
+        got = dict(f)
+    positions = sorted(int(k[len("decord"):]) for k in cpu if k.startswith("decord"))
+    means, peaks, over = [], [], 0
+    for pos in positions:
+        for a, b in zip(cpu[f"decord{pos}"], got[f"nvdec{pos}"]):
+            m, p = _diff(a, b)
+            means.append(m)
+            peaks.append(p)
+            over += m > MEAN_TOL or p > MAX_TOL
+    pyav_positions = sorted(int(k[len("pyav"):]) for k in cpu if k.startswith("pyav"))
+    vs_pyav = [_diff(a, b) for pos in pyav_positions for a, b in zip(cpu[f"pyav{pos}"], got[f"nvdec{pos}"])]
+    decord_vs_pyav = [_diff(a, b) for pos in pyav_positions for a, b in zip(cpu[f"pyav{pos}"], cpu[f"decord{pos}"])]
+    jm, jp = [], []  # the whole frame path: CPU resize + PIL JPEG vs GPU resize + nvjpeg
+    for pos in positions[:2]:
+        for i, ref in enumerate(cpu[f"cpujpeg{pos}"]):
+            m, p = _diff(ref, np.asarray(Image.open(io.BytesIO(got[f"gpujpeg{pos}_{i}"].tobytes())).convert("RGB")))
+            jm.append(m)
+            jp.append(p)
+    asked = sum(len(i) for i in plan["indices"])
+    return {"codec": plan["codec"], "size": plan["size"], "rotation": plan["rotation"], "probe_frames": plan["frames"],
+            "windows": len(plan["indices"]), "frames_compared": len(means), "frames_asked": asked,
+            "decode_mean_max": round(max(means), 4), "decode_mean_avg": round(float(np.mean(means)), 4),
+            "decode_peak_max": max(peaks), "frames_over_tolerance": over,
+            "jpeg_mean_max": round(max(jm), 4) if jm else None, "jpeg_peak_max": max(jp) if jp else None,
+            "within_tolerance": over == 0 and len(means) == asked,
+            "vs_pyav_mean_max": round(max(m for m, _ in vs_pyav), 4),
+            "vs_pyav_peak_max": max(p for _, p in vs_pyav),
+            "vs_pyav_over_tolerance": sum(m > MEAN_TOL or p > MAX_TOL for m, p in vs_pyav),
+            "decord_vs_pyav_over_tolerance": sum(m > MEAN_TOL or p > MAX_TOL for m, p in decord_vs_pyav)}
+
+
 # ----------------------------------------------------------------------------------------------- stages
 
 
 def _timed_cuda(fn, repeats: int = 5) -> float:
-    import torch
-
     fn()
-    torch.cuda.synchronize()
+    _sync()
     t0 = time.perf_counter()
     for _ in range(repeats):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     return (time.perf_counter() - t0) / repeats
 
 
 def stages(path: str) -> dict:
+    """Per-stage frames/s of one clip: the plan and one CPU core's decord / resize / PIL JPEG in one spawned child
+    (stages_cpu), NVDEC, GPU resize and nvjpeg in another that never imports decord or PyAV (stages_nvdec)."""
+    cpu = isolated(stages_cpu, path)
+    plan = cpu.pop("plan")
+    return {"clip": Path(path).name, "size": plan["size"], "frames": plan["frames"],
+            "frames_asked": sum(len(i) for i in plan["indices"]), **isolated(stages_nvdec, plan), **cpu}
+
+
+def stages_cpu(path: str) -> dict:
+    """The CPU side of stages (its own child): the plan, decord with one thread over the windows, one core's
+    resize and resize + PIL JPEG of the first window."""
     import torch
 
-    from prep import gpu
     from prep.decode import decode_windows, encode_frame, resize_frame
 
-    probe, plans = _plan(path)
-    indices = [p.frame_indices for p in plans]
-    asked = sum(len(i) for i in indices)
-    out = {"clip": Path(path).name, "size": [probe.width, probe.height], "frames": probe.frames,
-           "frames_asked": asked}
+    plan = _plan(path)
+    out = {"plan": plan}
+    t0 = time.perf_counter()
+    cpu_windows = [f for _, f in decode_windows(path, plan["indices"], backend="decord", num_threads=1)]
+    out["decord_1thread_windows_s"] = round(time.perf_counter() - t0, 4)
+    frames, (height, width) = cpu_windows[0], plan["sizes"][0]
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    for f in frames:
+        resize_frame(f, height, width)
+    out["cpu_resize_fps_1core"] = round(len(frames) / (time.perf_counter() - t0), 1)
+    t0 = time.perf_counter()
+    for f in frames:
+        encode_frame(f, height, width, 95)
+    out["cpu_resize_jpeg_fps_1core"] = round(len(frames) / (time.perf_counter() - t0), 1)
+    return out
+
+
+def stages_nvdec(plan: dict) -> dict:
+    """The NVDEC side of stages, in a child that never imports decord or PyAV (plan: stages_cpu's): all frames
+    decoded (with and without the RGB conversion), the windows' frames as the build asks, GPU resize and nvjpeg
+    on the first window."""
+    from prep import gpu
+
+    path = plan["path"]
+    out = {"loaded_before_nvdec": gpu.clashing_modules()}  # nothing, by construction: recorded as the evidence
     nvc = gpu.nvc()
 
     def all_frames(convert: bool) -> int:
@@ -338,7 +449,7 @@ def stages(path: str) -> dict:
                 if convert:
                     gpu.surface_to_rgb(gpu._surface(frame))
                 n += 1
-        torch.cuda.synchronize()
+        _sync()
         return n
 
     all_frames(False)  # warm-up: CUDA context, decoder creation
@@ -351,33 +462,20 @@ def stages(path: str) -> dict:
     all_frames(True)
     out["nvdec_decode_rgb_fps"] = round(n / (time.perf_counter() - t0), 1)
     t0 = time.perf_counter()
-    windows = [f for _, f in gpu.decode_windows(path, indices, rotation=probe.rotation)]
-    torch.cuda.synchronize()
+    windows = [f for _, f in gpu.decode_windows(path, plan["indices"], rotation=plan["rotation"])]
+    _sync()
     dt = time.perf_counter() - t0
     out["nvdec_windows_s"] = round(dt, 4)
-    out["nvdec_windows_source_x_realtime"] = round(probe.duration_s / dt, 1)
-    t0 = time.perf_counter()
-    cpu_windows = [f for _, f in decode_windows(path, indices, backend="decord", num_threads=1)]
-    out["decord_1thread_windows_s"] = round(time.perf_counter() - t0, 4)
+    out["nvdec_windows_source_x_realtime"] = round(plan["duration_s"] / dt, 1)
 
-    batch, plan = windows[0], plans[0]
+    batch, (height, width) = windows[0], plan["sizes"][0]
     k = len(batch)
-    resized = gpu.resize_frames(batch, plan.height, plan.width)
-    out["batch"] = {"frames": k, "from": list(batch.shape[1:3]), "to": [plan.height, plan.width]}
-    out["gpu_resize_fps"] = round(k / _timed_cuda(lambda: gpu.resize_frames(batch, plan.height, plan.width)), 1)
+    resized = gpu.resize_frames(batch, height, width)
+    out["batch"] = {"frames": k, "from": list(batch.shape[1:3]), "to": [height, width]}
+    out["gpu_resize_fps"] = round(k / _timed_cuda(lambda: gpu.resize_frames(batch, height, width)), 1)
     out["nvjpeg_fps"] = round(k / _timed_cuda(lambda: gpu.encode_jpegs(resized, 95)), 1)
     out["gpu_resize_nvjpeg_fps"] = round(
-        k / _timed_cuda(lambda: gpu.encode_jpegs(gpu.resize_frames(batch, plan.height, plan.width), 95)), 1)
-    frames = cpu_windows[0]
-    torch.set_num_threads(1)
-    t0 = time.perf_counter()
-    for f in frames:
-        resize_frame(f, plan.height, plan.width)
-    out["cpu_resize_fps_1core"] = round(len(frames) / (time.perf_counter() - t0), 1)
-    t0 = time.perf_counter()
-    for f in frames:
-        encode_frame(f, plan.height, plan.width, 95)
-    out["cpu_resize_jpeg_fps_1core"] = round(len(frames) / (time.perf_counter() - t0), 1)
+        k / _timed_cuda(lambda: gpu.encode_jpegs(gpu.resize_frames(batch, height, width), 95)), 1)
     return out
 
 
@@ -552,11 +650,11 @@ def main(argv: list[str] | None = None) -> int:
         for library in ("av", "decord"):  # which library NVDEC clashes with, if any (nvdec_after's docstring)
             _stage(res, f"nvdec_after_{library}", isolated, nvdec_after, library,
                    next((c for c in clips if "bframes" in c), clips[-1]))
-        _stage(res, "parity", isolated, parity, clips)
-        _stage(res, "stages", isolated, stages, clips[-1])
+        _stage(res, "parity", parity, clips, args.work)  # parity and stages spawn their own children
+        _stage(res, "stages", stages, clips[-1])
         hd_clips = sorted(Path(made["hd"]).glob("*.mp4"))
         if hd_clips:
-            _stage(res, "stages_hd", isolated, stages, str(hd_clips[0]))
+            _stage(res, "stages_hd", stages, str(hd_clips[0]))
         save()
     if made:
         b = _stage(res, "builds", builds, made["set"], args.work, args.cpu_workers, args.gpu_workers, args.repeats,

@@ -2,7 +2,7 @@
 (NV12 -> RGB, resize, JPEG, window walk, build wiring) run on CPU tensors against the CPU path.
 
 Only NVDEC itself needs a GPU: the build test swaps the reader's demux + decode for PyAV's NV12 frames (the layout
-NVDEC hands out) and keeps everything after it (surface layout, colour conversion, rotation, size check, cache,
+NVDEC hands out, decoded in a child process: tests/nvdec_standin.py) and keeps everything after it (surface layout, colour conversion, rotation, size check, cache,
 resize, torchvision JPEG, the worker branch, build.json). The test with a real NVDEC is skipped without CUDA.
 Tolerance (prep/decoders.py): per frame mean absolute difference <= 1.0 and max <= 8 levels.
 """
@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import io
 import json
+import pickle
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -112,15 +114,19 @@ def test_resize_and_jpeg_match_the_cpu_path(bikes):
             assert mean <= MEAN_TOL and peak <= MAX_TOL, (h, w, mean, peak)
 
 
-def test_a_cuda_build_records_its_device_and_matches_the_cpu_build(synth_videos_dir, built_shards, tmp_path,
-                                                                    monkeypatch):
-    """The --device cuda worker branch end to end, NVDEC's demux + decode swapped for PyAV's NV12 (inherited by
-    the forked worker): same samples as the CPU build, frames within the tolerance, build.json says cuda."""
-    monkeypatch.setattr("prep.build.gpu_available", lambda: None)
-    monkeypatch.setattr(gpu, "NvdecReader", PyAVNv12Reader)
-    out = tmp_path / "cuda"
-    summary = build(BuildConfig(videos=synth_videos_dir, out=out, device="cuda", **BUILT_SHARDS_ARGS))
+def test_a_cuda_build_records_its_device_and_matches_the_cpu_build(synth_videos_dir, built_shards, tmp_path):
+    """The --device cuda worker branch end to end, in a fresh interpreter (tests/nvdec_standin.py: NVDEC's
+    demux + decode swapped for PyAV's NV12 from a child process): NVDEC opens only in processes that never loaded
+    decord or PyAV (the parent checks its decoder in a child, the probe's processes exit first), same samples as
+    the CPU build, frames within the tolerance, build.json says cuda."""
+    out, log = tmp_path / "cuda", tmp_path / "opens.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "tests.nvdec_standin", "build", str(synth_videos_dir), str(out),
+                           json.dumps(BUILT_SHARDS_ARGS), str(log)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["samples"] == 12 and summary["rejects"] == 0, summary
+    opens = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len({o["path"] for o in opens}) == 4 and all(o["loaded"] == [] for o in opens), opens
     record = BuildRecord.read(out)
     assert (record.decode.device, record.decode.backend, record.decode.jpeg_encoder) == ("cuda", gpu.BACKEND, gpu.JPEG)
     assert BuildRecord.read(built_shards).decode.device == "cpu"
@@ -139,6 +145,31 @@ def test_a_cuda_build_records_its_device_and_matches_the_cpu_build(synth_videos_
         for ja, jb in zip(ours, theirs):
             mean, peak = _diff(_jpeg(ja), _jpeg(jb))
             assert mean <= MEAN_TOL and peak <= MAX_TOL, (key, mean, peak)
+
+
+def test_a_cuda_build_refuses_a_process_that_loaded_decord_or_pyav(synth_videos_dir, tmp_path, monkeypatch):
+    """NVDEC segfaulted in processes that had used decord or PyAV (BENCHMARKS.md, GPU decode): a cuda build called
+    from such a process (this one) says so up front, and a cuda shard worker that finds one loaded refuses its
+    shard before writing anything, naming the module and the file (not a segfault, not a reject per window)."""
+    import decord  # noqa: F401 (loaded in this process, as in a notebook that decoded a clip first)
+
+    from prep import build as pb
+    from prep.shards import ShardPaths
+
+    monkeypatch.setattr("prep.build.gpu_available", lambda: None)
+    out = tmp_path / "cuda"
+    with pytest.raises(BuildError, match=r"--device cuda forks its NVDEC workers from this process, which has "
+                                         r"already imported decord"):
+        build(BuildConfig(videos=synth_videos_dir, out=out, device="cuda", **BUILT_SHARDS_ARGS))
+    assert not out.exists()
+    out.mkdir()
+    video = SimpleNamespace(probe=SimpleNamespace(path=str(synth_videos_dir / "a.mp4")))
+    task = SimpleNamespace(settings=SimpleNamespace(device="cuda"), videos=[video],
+                           paths=ShardPaths(out, "shard-000000"))
+    with pytest.raises(BuildError, match=r"shard-000000: this --device cuda worker .* has decord(?: and av)? loaded "
+                                         r"before NVDEC opens .*a\.mp4"):
+        pb.process_shard(task)
+    assert list(out.iterdir()) == []
 
 
 def test_a_build_json_without_the_device_fields_reads_as_cpu(built_shards, tmp_path):
@@ -183,3 +214,37 @@ def test_the_device_probe_reports_failed_stages_instead_of_dying(tmp_path, monke
     assert proc.returncode == 0, proc.stderr[-2000:]
     error, after = json.loads(proc.stdout.strip().splitlines()[-1])
     assert error.startswith("BrokenProcessPool") and after == 3
+
+
+def test_the_device_probes_nvdec_children_load_neither_decord_nor_pyav(synth_videos_dir, tmp_path, monkeypatch):
+    """parity and stages as the probe runs them, each child in a fresh interpreter with NVDEC's stand-in
+    (tests/nvdec_standin.py): NVDEC opens only where neither decord nor PyAV was ever imported (session 7: it
+    segfaulted where they had been), the CPU children plan and decode, and the rows the report reads come out."""
+    from scripts import gpu_decode_probe as probe
+
+    log = tmp_path / "opens.jsonl"
+    calls = []
+
+    def isolated(fn, *args):  # the probe's spawned child, as a fresh interpreter with the stand-in installed
+        calls.append(fn.__name__)
+        args_file, result_file = tmp_path / f"{len(calls)}.args", tmp_path / f"{len(calls)}.result"
+        args_file.write_bytes(pickle.dumps(args))
+        proc = subprocess.run([sys.executable, "-m", "tests.nvdec_standin", "call", fn.__name__, str(args_file),
+                               str(result_file), str(log)], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return pickle.loads(result_file.read_bytes())
+
+    monkeypatch.setattr(probe, "isolated", isolated)
+    clip = str(sorted(synth_videos_dir.glob("*.mp4"))[0])
+    res = {"parity": probe.parity([clip], tmp_path / "work"), "stages": probe.stages(clip)}
+    assert calls == ["parity_reference", "parity_nvdec", "stages_cpu", "stages_nvdec"]
+    opens = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(opens) == 5 and all(o["loaded"] == [] for o in opens), opens  # parity 1, stages 3 + 1
+    row = res["parity"][Path(clip).name]
+    assert row["loaded_before_nvdec"] == [] and row["within_tolerance"], row
+    assert row["frames_compared"] == row["frames_asked"] > 0 and row["vs_pyav_over_tolerance"] == 0
+    assert row["jpeg_peak_max"] is not None and row["jpeg_peak_max"] <= MAX_TOL, row
+    stages = res["stages"]
+    assert stages["loaded_before_nvdec"] == [] and stages["frames_asked"] == row["frames_asked"]
+    text = probe.table(res)
+    assert f"| {Path(clip).name} |" in text and f"stages on {Path(clip).name}" in text, text
