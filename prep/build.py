@@ -38,7 +38,7 @@ from prep.decoders import available as decoder_available
 from prep.gpu import BACKEND as GPU_BACKEND
 from prep.gpu import GPU_WORKERS
 from prep.gpu import JPEG as GPU_JPEG
-from prep.gpu import clashing_modules
+from prep.gpu import CLASH_WHY, clashing_modules
 from prep.gpu import RESIZE as GPU_RESIZE
 from prep.gpu import available as gpu_available
 from prep.outdir import (PLAN_FILE, BuildIOError, BuildLock, BuildLocked, io_stage, our_files, part_lock_name, sweep_temps,
@@ -191,8 +191,7 @@ class BuildConfig:
                 p.append(why)
             if loaded := clashing_modules():  # the NVDEC workers are forked from this process (prep/gpu.py, Workers)
                 p.append(f"--device cuda forks its NVDEC workers from this process, which has already imported "
-                         f"{' and '.join(loaded)} (PyNvVideoCodec's CreateDecoder segfaulted in every process that had "
-                         f"used decord or PyAV; BENCHMARKS.md, GPU decode): run `python -m prep build` in a fresh "
+                         f"{' and '.join(loaded)} ({CLASH_WHY}): run `python -m prep build` in a fresh "
                          f"process, or call build() before anything imports them")
         if self.samples_per_shard < 1:
             p.append("--samples-per-shard must be >= 1")
@@ -472,8 +471,7 @@ def _refuse_clashing_modules(task: ShardTask) -> None:
     would sit in a complete shard that a rerun from a fresh process then skips."""
     if loaded := clashing_modules():
         raise BuildError(f"{task.paths.name}: this --device cuda worker (pid {os.getpid()}) has {' and '.join(loaded)} "
-                         f"loaded before NVDEC opens {task.videos[0].probe.path} (PyNvVideoCodec's CreateDecoder "
-                         f"segfaulted in every process that had used decord or PyAV; BENCHMARKS.md, GPU decode): "
+                         f"loaded before NVDEC opens {task.videos[0].probe.path} ({CLASH_WHY}): "
                          f"nothing of the shard was written; run `python -m prep build` in a fresh process")
 
 

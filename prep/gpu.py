@@ -29,9 +29,10 @@ Workers: a few processes share the GPU (--workers, default min(cores, GPU_WORKER
 work and each process opens its own CUDA context after the fork (the parent never initializes CUDA: the
 availability check runs in a child process). They are processes that never loaded decord or PyAV (CLASHING): on
 the H200 host PyNvVideoCodec 2.2.4's CreateDecoder segfaulted in every process that had decoded with decord
-(session 8: after PyAV alone it decoded; BENCHMARKS.md, GPU decode). PyAV is kept out too: the probe loads both. So the build's parent never imports them under
---device cuda (its decoder check runs in a child process), the probe's processes (which use both) exit before
-the shard workers are forked, and a shard worker that finds one loaded refuses its shard (prep.build.process_shard).
+(session 8: after PyAV alone it decoded; BENCHMARKS.md, GPU decode). PyAV is kept out too: the probe loads
+both. So the build's parent never imports them under --device cuda (its decoder check runs in a child process),
+the probe's processes (which use both) exit before the shard workers are forked, and a shard worker that finds
+one loaded refuses its shard (prep.build.process_shard).
 """
 from __future__ import annotations
 
@@ -55,6 +56,8 @@ RESIZE = ("torch uint8 bicubic, antialias=True, to the planned size: the CPU ker
 JPEG = "torchvision.io.encode_jpeg on CUDA (nvjpeg)"
 # kept out of NVDEC processes: decord measured to crash CreateDecoder, PyAV not (the Workers paragraph)
 CLASHING = ("decord", "av")
+CLASH_WHY = ("PyNvVideoCodec's CreateDecoder segfaulted in every process that had decoded with decord; PyAV is "
+             "kept out too (BENCHMARKS.md, GPU decode)")
 _CHECK_TIMEOUT_S = 120.0
 _CHUNK_VALUES = 1 << 26  # float64 values resized at once (512 MiB)
 _ROOT = str(Path(__file__).resolve().parents[1])  # where `prep` imports from, for the check's child process

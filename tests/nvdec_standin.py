@@ -36,7 +36,7 @@ LOG = {"path": ""}  # JSON lines: each open's pid, file and the decoders its pro
 
 def nv12_frames(path: str) -> list[torch.Tensor]:
     """Every frame of `path` as an NV12 uint8 tensor, decoded by PyAV in a child process; the open is logged."""
-    loaded = [name for name in ("decord", "av") if name in sys.modules]  # before anything is decoded
+    loaded = gpu.clashing_modules()  # before anything is decoded
     with open(LOG["path"], "a") as f:
         f.write(json.dumps({"pid": os.getpid(), "path": path, "loaded": loaded}) + "\n")
     run = subprocess.run([sys.executable, "-c", _NV12, path], capture_output=True, check=True)

@@ -2,8 +2,9 @@
 (NV12 -> RGB, resize, JPEG, window walk, build wiring) run on CPU tensors against the CPU path.
 
 Only NVDEC itself needs a GPU: the build test swaps the reader's demux + decode for PyAV's NV12 frames (the layout
-NVDEC hands out, decoded in a child process: tests/nvdec_standin.py) and keeps everything after it (surface layout, colour conversion, rotation, size check, cache,
-resize, torchvision JPEG, the worker branch, build.json). The test with a real NVDEC is skipped without CUDA.
+NVDEC hands out, decoded in a child process: tests/nvdec_standin.py) and keeps everything after it (surface
+layout, colour conversion, rotation, size check, cache, resize, torchvision JPEG, the worker branch, build.json).
+The test with a real NVDEC is skipped without CUDA.
 Tolerance (prep/decoders.py): per frame mean absolute difference <= 1.0 and max <= 8 levels.
 """
 from __future__ import annotations
