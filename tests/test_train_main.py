@@ -279,9 +279,12 @@ def test_one_sample_on_two_ranks_fails_before_load(one, cache, tmp_path):
 
 
 def test_tail_error_names_the_numbers_and_options(five, cache, tmp_path):
-    proc = launch(_args(five, tmp_path / "run", cache))
+    """Printed once, by rank 0, even when rank 0 is the slow one: rank 1 must not exit first (the launcher would
+    SIGTERM rank 0 before it printed, as happened in CI)."""
+    proc = launch(_args(five, tmp_path / "run", cache), env={"VIDEO_ORA_STALL_AT": "error_report:0:0"})
     assert proc.returncode != 0
-    assert "5 samples, world size 2, micro batch 1, grad accum 1 -> 2 samples per global step" in proc.stderr, explain(proc)
+    error = "5 samples, world size 2, micro batch 1, grad accum 1 -> 2 samples per global step"
+    assert proc.stderr.count(error) == 1 and "error (PlanError, rank 0, phase setup)" in proc.stderr, explain(proc)
     assert "--tail pad" in proc.stderr and "--tail drop" in proc.stderr
     assert not any(e["event"] == "load_start" for e in events(tmp_path / "run", 0))
 

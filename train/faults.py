@@ -6,13 +6,19 @@ VIDEO_ORA_KILL_AT=point:step[:rank] makes the process SIGKILL itself when it rea
 checkpoint_state (DeepSpeed's checkpoint files are written, the trainer state not yet), checkpoint_marker
 (every rank's files on disk, checkpoint.json not yet), checkpoint_latest (checkpoint.json written,
 `latest` not yet).
+
+VIDEO_ORA_STALL_AT=point:step[:rank] makes the process sleep STALL_S seconds there instead: a slow rank at an
+exact place. Point: error_report (a user error caught, not yet printed; step 0).
 """
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 KILL_ENV = "VIDEO_ORA_KILL_AT"
+STALL_ENV = "VIDEO_ORA_STALL_AT"
+STALL_S = 5.0
 
 
 def armed(env: str, point: str, step: int, rank: int) -> str | None:
@@ -30,3 +36,8 @@ def armed(env: str, point: str, step: int, rank: int) -> str | None:
 def maybe_kill(point: str, step: int, rank: int) -> None:
     if armed(KILL_ENV, point, step, rank):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_stall(point: str, step: int, rank: int) -> None:
+    if armed(STALL_ENV, point, step, rank):
+        time.sleep(STALL_S)

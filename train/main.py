@@ -60,6 +60,7 @@ from train.data import (
     preflight_records,
     rank_loader,
 )
+from train.faults import maybe_stall
 from train.jsonlog import RunLog
 from train.load_check import LoadError, check_load, verify_values
 from train.memory import (
@@ -775,14 +776,42 @@ def run(cfg: TrainConfig) -> int:
         except USER_ERRORS as e:
             if getattr(recipe, "log", None) is not None:
                 recipe.log.event("error", kind=type(e).__name__, phase=recipe.phase, message=str(e))
-            if recipe.rank == 0 or not isinstance(e, (ConfigError, PlanError)):
+            same_on_every_rank = isinstance(e, (ConfigError, PlanError))
+            maybe_stall("error_report", 0, recipe.rank)
+            if recipe.rank == 0 or not same_on_every_rank or not _rank0_reported():
                 print(f"error ({type(e).__name__}, rank {recipe.rank}, phase {recipe.phase}): {e}", file=sys.stderr,
                       flush=True)
             _mark_failed(recipe, type(e).__name__, str(e))
+            if recipe.rank == 0 and same_on_every_rank:
+                _announce_rank0_reported()
             return EXIT_USAGE
     finally:
         recipe.cleanup(ok=ok)
     return 0
+
+
+_REPORTED_KEY = "video_ora/rank0_reported"
+
+
+def _announce_rank0_reported() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.distributed_c10d._get_default_store().set(_REPORTED_KEY, "1")
+
+
+def _rank0_reported(timeout_s: float = 60.0) -> bool:
+    """A configuration or plan error is the same on every rank, so only rank 0 prints it. The others wait
+    here until it has: a rank that exited first would have the launcher SIGTERM rank 0 before it printed
+    (seen in CI). False (print your own) when rank 0 has not said so within the timeout."""
+    import datetime
+
+    if not torch.distributed.is_initialized():
+        return False
+    try:
+        torch.distributed.distributed_c10d._get_default_store().wait(
+            [_REPORTED_KEY], datetime.timedelta(seconds=timeout_s))
+        return True
+    except (RuntimeError, TimeoutError):  # torch raises DistStoreError (a RuntimeError) on timeout
+        return False
 
 
 def _mark_failed(recipe: Recipe, kind: str, message: str) -> None:
