@@ -249,3 +249,15 @@ def test_the_device_probes_nvdec_children_load_neither_decord_nor_pyav(synth_vid
     assert stages["loaded_before_nvdec"] == [] and stages["frames_asked"] == row["frames_asked"]
     text = probe.table(res)
     assert f"| {Path(clip).name} |" in text and f"stages on {Path(clip).name}" in text, text
+
+
+def test_the_probes_timed_out_build_keeps_its_log_lines(tmp_path, monkeypatch):
+    """A build the probe's time limit ends comes back with what it had printed (slow or hung tells apart)."""
+    from scripts import gpu_decode_probe as probe
+
+    def run(cmd, **kw):
+        raise subprocess.TimeoutExpired(cmd, kw["timeout"], output=b"", stderr=b'{"event": "shard_done", "shard": 3}\n')
+
+    monkeypatch.setattr(probe.subprocess, "run", run)
+    res = probe._build("videos", tmp_path / "out", "cuda", 4, timeout_s=30.0)
+    assert res["rc"] is None and res["timed_out_s"] == 30.0 and '"shard": 3' in res["stderr"], res

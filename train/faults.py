@@ -18,7 +18,7 @@ import time
 
 KILL_ENV = "VIDEO_ORA_KILL_AT"
 STALL_ENV = "VIDEO_ORA_STALL_AT"
-STALL_S = 5.0
+STALL_S = 2.0
 
 
 def armed(env: str, point: str, step: int, rank: int) -> str | None:
