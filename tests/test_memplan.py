@@ -174,6 +174,31 @@ def test_plan_cli_reads_the_manifest_and_picks(tiny_cache, built_shards, capsys)
     assert "heaviest micro-batch: " in text and "pick (fastest that fits): zero2+ckpt-none" in text
 
 
+def test_plan_cli_plans_liger_kernels_as_train_main_defaults_them(tiny_cache, built_shards, tmp_path, capsys):
+    """Unset, --liger-kernels is train.main's default on a CUDA card (on for Qwen3-VL where liger-kernel imports,
+    off for Qwen3.5); the kernels change what a layer keeps, so the prediction follows the flag. The planner
+    reads config.json only: the 4B shape's, without weights."""
+    from schemas.prompt import load_tokenizer
+    from train.kernels import liger_kernels_default
+    from train.models import build_config, load_shape
+    from train.plan import main
+
+    build_config(*load_shape("qwen3_vl_4b"), load_tokenizer()).save_pretrained(tmp_path / "vl4b")
+
+    def plan(model, *flags):
+        assert main(["--model", str(model), "--shards", str(built_shards), "--gpu-mem", "80", "--zero-stage", "3",
+                     "--gradient-checkpointing", "none", "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    on, off = plan(tmp_path / "vl4b", "--liger-kernels"), plan(tmp_path / "vl4b", "--no-liger-kernels")
+    assert on["liger_kernels"] is True and off["liger_kernels"] is False
+    assert on["pick"]["peak_gib"] < off["pick"]["peak_gib"]
+    default = plan(tmp_path / "vl4b")
+    assert default["liger_kernels"] is liger_kernels_default("qwen3_vl", compile=False, device_type="cuda")
+    assert default["pick"]["peak_gib"] == (on if default["liger_kernels"] else off)["pick"]["peak_gib"]
+    assert plan(tiny_cache / "tiny_qwen3_5")["liger_kernels"] is False
+
+
 def test_zero_stage_auto_applies_the_pick_and_keeps_what_the_flags_fix(shapes, tmp_path):
     """What train.main does with the planner on CUDA (the device query aside), and on CPU."""
     from train.config import TrainConfig

@@ -83,6 +83,7 @@ from train.kernels import (
     attention_problem,
     batch_vision_attention,
     compile_layers,
+    liger_kernels_default,
     liger_kernels_problem,
     route_linear_attention,
 )
@@ -228,10 +229,9 @@ class Recipe:
         # 2b. The levers that depend on the device and the family, checked before anything heavy.
         self._check_levers()
         cfg = self.cfg
-        if cfg.liger_kernels is None:  # on where measured to keep the loss (Qwen3-VL, one H200: 1.13x, within 1e-3);
-            # decided here so the planner and run.json see it
-            self.cfg = cfg = dataclasses.replace(cfg, liger_kernels=self.family == "qwen3_vl" and not cfg.compile
-                                                 and liger_kernels_problem(self.device.type) is None)
+        if cfg.liger_kernels is None:  # decided here so the planner and run.json see it
+            self.cfg = cfg = dataclasses.replace(cfg, liger_kernels=liger_kernels_default(
+                self.family, compile=cfg.compile, device_type=self.device.type))
 
         # 3. Pre-flight every planned sample from the manifest (the loader checks each one again as it reads).
         preflight_records([self.store.record(s) for s in planned], spec=self.vision)

@@ -409,18 +409,15 @@ def heaviest_workload(records, micro_batches, *, pack: bool, merge: int = 2) -> 
     return best
 
 
-def dumps(choice: Choice) -> str:
-    return json.dumps(choice.to_json(), indent=1)
-
-
 def plan_for_run(model_dir, shards, *, gpus: int, gpu_mem_gib: float, micro_batch_size: int = 1,
                  max_tokens_per_batch: int | None = None, pack: bool = False, finetune: str = "lora", lora_r: int = 8,
                  lora_dropout: float = 0.05, loss: str = "chunked", vision_chunk_frames: int = 64,
                  quantize_base: str | None = None, zero_stage: int | None = None,
                  checkpointing: str | None = None, offload_optimizer: bool = False,
-                 offload_params: bool = False) -> Choice:
+                 offload_params: bool = False, fused_kernels: bool = False) -> Choice:
     """The plan `train.main` would make: its data plan over the manifest (heaviest micro-batch), the model's
-    shape from config.json (no weights), the candidates under the fixed choices."""
+    shape from config.json (no weights), the candidates under the fixed choices. fused_kernels: liger's
+    RMSNorm/SwiGLU, which change what a layer keeps."""
     from schemas.manifest import SampleRecord, read_records
     from train.plan import PlanConfig, plan_epoch
 
@@ -433,7 +430,8 @@ def plan_for_run(model_dir, shards, *, gpus: int, gpu_mem_gib: float, micro_batc
                              merge=shape.merge)
     setups = candidates(world=gpus, loss=loss, finetune=finetune, lora_r=lora_r, lora_dropout=lora_dropout > 0,
                         vision_chunk_frames=vision_chunk_frames, quantize_base=quantize_base, zero_stage=zero_stage,
-                        checkpointing=checkpointing, offload_optimizer=offload_optimizer, offload_params=offload_params)
+                        checkpointing=checkpointing, offload_optimizer=offload_optimizer, offload_params=offload_params,
+                        fused_kernels=fused_kernels)
     return choose(shape, work, gpu_mem_gib=gpu_mem_gib, world=gpus, setups=setups,
                   decide_attention=True)  # train.main's default (--recompute-attention unset, sdpa)
 
@@ -463,18 +461,29 @@ def cli(argv: list[str] | None = None) -> int:
     ap.add_argument("--quantize-base", choices=tuple(QUANT_BYTES), default=None)
     ap.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None, help="fix the stage")
     ap.add_argument("--gradient-checkpointing", default=None, help="fix the checkpointing (all|none|every-K)")
+    ap.add_argument("--liger-kernels", action=argparse.BooleanOptionalAction, default=None,
+                    help="liger's RMSNorm/SwiGLU (default: train.main's on a CUDA card: on for Qwen3-VL where "
+                         "liger-kernel is importable)")
     a = ap.parse_args(argv)
     try:
+        if a.liger_kernels is None:
+            from train.kernels import liger_kernels_default
+            from train.models import detect_family
+
+            a.liger_kernels = liger_kernels_default(detect_family(a.model), compile=False, device_type="cuda")
         choice = plan_for_run(a.model, a.shards, gpus=a.gpus, gpu_mem_gib=a.gpu_mem,
                               micro_batch_size=a.micro_batch_size, max_tokens_per_batch=a.max_tokens_per_batch,
                               pack=a.pack, finetune=a.finetune, lora_r=a.lora_r, lora_dropout=a.lora_dropout,
                               loss=a.loss_impl, vision_chunk_frames=a.vision_chunk_frames,
                               quantize_base=a.quantize_base, zero_stage=a.zero_stage,
-                              checkpointing=a.gradient_checkpointing)
+                              checkpointing=a.gradient_checkpointing, fused_kernels=a.liger_kernels)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(dumps(choice) if a.json else choice.message())
+    if a.json:
+        print(json.dumps(dict(choice.to_json(), liger_kernels=a.liger_kernels), indent=1))
+    else:
+        print(f"liger kernels: {'on' if a.liger_kernels else 'off'}\n{choice.message()}")
     return 0
 
 
