@@ -1,6 +1,7 @@
 """Positions kept per sample (train/positions.py): a padded micro-batch gets exactly the model's own
 get_rope_index, on first sight and from the kept rows, for both families; the loss and gradients with them
-equal the model computing its own; a family that numbers rows otherwise is caught on the first batch."""
+equal the model computing its own; a family that numbers rows otherwise is caught on the first batch of each
+layout."""
 from __future__ import annotations
 
 import pytest
@@ -31,7 +32,7 @@ def test_kept_positions_equal_the_model_own_and_give_the_same_loss(tiny_cache, b
     own, _ = model.model.get_rope_index(batch["input_ids"], batch["mm_token_type_ids"],
                                         video_grid_thw=batch["video_grid_thw"], attention_mask=batch["attention_mask"])
     cache = PositionCache()
-    assert torch.equal(cache.batch_positions(model, batch, IDS), own) and cache.checked
+    assert torch.equal(cache.batch_positions(model, batch, IDS), own) and cache.checked == {(3, True)}
     reordered = [2, 0, 1]  # kept rows, another order, no recomputation
     again = _batch(model, built_shards, [IDS[i] for i in reordered])
     ref, _ = model.model.get_rope_index(again["input_ids"], again["mm_token_type_ids"],
@@ -65,3 +66,24 @@ def test_a_family_numbering_rows_otherwise_fails_on_the_first_batch(tiny_cache, 
         PositionCache().batch_positions(model, _batch(model, built_shards, IDS), IDS)
     with pytest.raises(ValueError, match="one of each per row"):
         PositionCache().batch_positions(model, _batch(model, built_shards, IDS), IDS[:2])
+
+
+def test_a_family_numbering_padded_rows_otherwise_fails_on_the_first_padded_batch(tiny_cache, built_shards):
+    """A first micro-batch of one row (no padding) checks nothing of the masked path: the first padded one must."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_cache / "tiny_qwen3_vl", dtype=torch.float32)
+    own = model.model.get_rope_index
+
+    def shifted(input_ids, *args, attention_mask=None, **kwargs):  # differs only where a row is padded
+        positions, deltas = own(input_ids, *args, attention_mask=attention_mask, **kwargs)
+        padded = attention_mask is not None and not bool(attention_mask.all())
+        return positions + int(padded), deltas
+
+    model.model.get_rope_index = shifted
+    cache = PositionCache()
+    for sid in IDS:  # one row each: unpadded, checked once
+        cache.batch_positions(model, _batch(model, built_shards, [sid]), [sid])
+    assert cache.checked == {(1, False)}
+    with pytest.raises(RuntimeError, match=r"3 rows, padded: True"):
+        cache.batch_positions(model, _batch(model, built_shards, IDS), IDS)

@@ -6,8 +6,10 @@ group (~4 ms a micro-batch of 8 in the demo, CPU, every forward), though a sampl
 Why it is exact: for each row, `get_rope_index` keeps the attended tokens (attention_mask), numbers them from 0
 (text runs counting on, each temporal group (t, h, w) from where the text stopped) and leaves padding at 0; no row
 reads another row. So a row is the sample's own positions, computed alone, scattered into its attended slots: the
-same integers. One video per sample, in row order (what train.data.collate gives). The first micro-batch is
-checked against the model's own call (`PositionCache.checked`), so a family that numbers differently fails loudly.
+same integers. One video per sample, in row order (what train.data.collate gives). The first micro-batch of
+each layout (its row count, padded or not) is checked against the model's own call (`PositionCache.checked`), so
+a family that numbers differently fails loudly, also where only padded or larger batches differ (a run whose first
+micro-batch has one row or no padding would otherwise never check the masked path).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ class PositionCache:
 
     def __init__(self):
         self._rows: dict[str, torch.Tensor] = {}
-        self.checked = False  # the first micro-batch matched the model's own get_rope_index
+        self.checked: set[tuple[int, bool]] = set()  # layouts (rows, padded) matched against get_rope_index
 
     def batch_positions(self, model, batch: dict[str, torch.Tensor], sample_ids: list[str]) -> torch.Tensor:
         """What `get_rope_index(input_ids, mm_token_type_ids, video_grid_thw=..., attention_mask=...)` returns for
@@ -49,10 +51,12 @@ class PositionCache:
                 raise RuntimeError(f"positions: sample {sid} came with {int(keep.sum())} tokens, kept with "
                                    f"{row.shape[1]}")
             out[:, b, keep] = row
-        if not self.checked:
+        layout = (ids.shape[0], mask is not None and not bool(mask.all()))
+        if layout not in self.checked:
             own, _ = inner_model(model).get_rope_index(ids, types, video_grid_thw=grids, attention_mask=mask)
             if not torch.equal(own, out):
-                raise RuntimeError("positions kept per sample differ from the model's own get_rope_index over the "
-                                   "micro-batch: this family numbers rows differently than train/positions.py assumes")
-            self.checked = True
+                raise RuntimeError(f"positions kept per sample differ from the model's own get_rope_index over the "
+                                   f"micro-batch of {sample_ids} ({layout[0]} rows, padded: {layout[1]}): this "
+                                   f"family numbers rows differently than train/positions.py assumes")
+            self.checked.add(layout)
         return out
