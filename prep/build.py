@@ -533,7 +533,7 @@ def _reject_timed_out(jobs: list[VideoJob], timeout_s: float, rejects: list[Reje
                                   f"{Path(video.probe.path).name} made no progress for --decode-timeout {timeout_s:g} s "
                                   f"(its worker was killed and replaced)", stage="decode"))
     t["videos"] += len(jobs)
-    heartbeat(jobs[0].probe.path, progress=(len(jobs), 0, 0.0))
+    heartbeat(jobs[0].probe.path, progress=(tuple(j.label for j in jobs), len(jobs), 0, 0.0))
 
 
 def _process_file(jobs: list[VideoJob], s: WorkerSettings, tokenizer, pool: Executor, writer: ShardWriter,
@@ -595,7 +595,7 @@ def _process_file(jobs: list[VideoJob], s: WorkerSettings, tokenizer, pool: Exec
     t["videos"] += len(jobs)
     t["windows"] += done
     t["source_s"] += probe.duration_s * jobs[0].share
-    heartbeat(probe.path, progress=(len(jobs), done, probe.duration_s * jobs[0].share))
+    heartbeat(probe.path, progress=(tuple(j.label for j in jobs), len(jobs), done, probe.duration_s * jobs[0].share))
 
 
 def _query_over_bound(query: str, tokenizer, bound: InputBound) -> str:
@@ -1006,16 +1006,7 @@ def _run_shards(tasks: list[ShardTask], config: BuildConfig, pool: Pool, streams
     total_videos = sum(len(t.videos) for t in tasks)
     bar = tqdm(total=total_videos, unit="video", disable=(not config.progress) or None, desc="prep build",
                dynamic_ncols=True)
-    start = time.perf_counter()
-    acc = Counter()
-
-    def update(item) -> None:
-        videos, windows, source_s = item
-        acc["windows"] += windows
-        acc["source_s"] += source_s
-        dt = max(time.perf_counter() - start, 1e-9)
-        bar.set_postfix_str(f"{acc['windows'] / dt:.1f} windows/s, {acc['source_s'] / dt:.1f}x realtime", refresh=False)
-        bar.update(videos)
+    update = BuildProgress(bar)
 
     on_stall = ShardStall(decode_timeout=config.decode_timeout)
     # the probe's extra processes exit while shards start; under cuda all of them: they loaded decord and PyAV,
@@ -1032,11 +1023,32 @@ def _run_shards(tasks: list[ShardTask], config: BuildConfig, pool: Pool, streams
                                                  in_flight=config.workers, stall_s=_stall_s(config), on_stall=on_stall,
                                                  warm=warm_shard_worker)
         with closing(results):
-            for _, stats in results:
+            for i, stats in results:
                 if config.ray is not None:  # no per-video beats cross the cluster: the bar moves per shard
-                    update((stats["videos"], stats.get("windows", 0), stats.get("source_s", 0.0)))
+                    update(((tasks[i].paths.name,), stats["videos"], stats.get("windows", 0), stats.get("source_s", 0.0)))
     finally:
         bar.close()
+
+
+class BuildProgress:
+    """The bar's on_progress: (unit, videos, windows, source s) per finished work unit, each unit counted once.
+    A shard rerun after a stall or a dead worker redoes units that had already reported; counting them again
+    ran the bar past its total and overstated the rate."""
+
+    def __init__(self, bar):
+        self.bar, self.start, self.seen = bar, time.perf_counter(), set()
+        self.windows, self.source_s = 0, 0.0
+
+    def __call__(self, item) -> None:
+        unit, videos, windows, source_s = item
+        if unit in self.seen:
+            return
+        self.seen.add(unit)
+        self.windows += windows
+        self.source_s += source_s
+        dt = max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"{self.windows / dt:.1f} windows/s, {self.source_s / dt:.1f}x realtime", refresh=False)
+        self.bar.update(videos)
 
 
 @dataclasses.dataclass(frozen=True)

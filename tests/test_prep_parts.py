@@ -77,3 +77,25 @@ def test_a_long_video_spans_several_shards_with_the_same_samples(synth_videos_di
     # the source seconds of a split video are counted once over its pieces
     stats = [json.loads(p.read_text()) for p in (tmp_path / "split").glob("*.stats.json")]
     assert abs(sum(s["source_s"] for s in stats) - 80.0) < 0.5
+
+
+def test_build_progress_counts_each_work_unit_once_when_a_shard_is_rerun():
+    """After a stall the shard is rebuilt: its units report again, and the bar must not pass its total."""
+    from prep.build import BuildProgress
+
+    class Bar:
+        n, postfix = 0, ""
+
+        def update(self, k):
+            self.n += k
+
+        def set_postfix_str(self, text, refresh):
+            self.postfix = text
+
+    bar = Bar()
+    progress = BuildProgress(bar)
+    first_try = [(("a",), 1, 4, 30.0), (("b", "b2"), 2, 6, 60.0)]
+    for item in first_try + first_try + [(("c@w0-3",), 1, 4, 20.0)]:  # the rerun reports a and b again
+        progress(item)
+    assert bar.n == 4 and (progress.windows, progress.source_s) == (14, 110.0)
+    assert "windows/s" in bar.postfix and "x realtime" in bar.postfix
