@@ -7,8 +7,10 @@ The same videos and the same windows go through three legs (four with --ray), in
 rotates every repeat, after one untimed warm-up round), and the medians are compared:
   build  prep.build.build(): probe, plan, decode each video once, resize, JPEG, tar, parquet, build.json
   ray    the same build with --ray on a local Ray cluster of max(--workers) CPUs on 127.0.0.1, started once in a
-         helper process (its start-up is not timed), --workers N = N shard tasks in flight; its CPU seconds
-         are those of the helper's whole process tree (driver, raylet, GCS, Ray workers and their children)
+         helper process (its start-up is not timed); at --workers N it keeps as many shard tasks (one CPU
+         each) in flight as N local workers build at once (N x prep.build.worker_threads' streams: 2 at N=1
+         on 2 cores); its CPU seconds are those of the helper's whole process tree (driver, raylet, GCS, Ray
+         workers and their children)
   fetch  today's approach: qwen_vl_utils.fetch_video per window (decord backend, video_start/video_end,
          image_patch_size=16, the same budget), which includes its torchvision bicubic resize
   floor  plain decord: get_batch over the union of the frame indices each video needs, no resize
@@ -291,8 +293,15 @@ def bench(videos: Path, workers: list[int], repeats: int, work: Path, *, use_ray
     expect = {"build": frames, "fetch": frames, "floor": sum(len(v) for v in union.values())}
     ray_leg = None
     if use_ray:
+        from prep.build import worker_threads
+
+        # a local worker builds several shards at once (threads); a Ray task builds one on one CPU. So the ray leg
+        # at W workers keeps as many shard tasks in flight as W local workers build at once (--workers caps them)
+        tasks = leg_build(videos, annotations, work / "ray_shards", max(workers), samples_per_shard, decoder)["shards"]
+        in_flight = {w: w * worker_threads(w, tasks).streams for w in workers}
         ray_leg = RayLeg(max(workers))
-        legs["ray"] = lambda w: ray_leg(videos, annotations, work / "ray_shards", w, samples_per_shard, decoder, "")
+        legs["ray"] = lambda w: ray_leg(videos, annotations, work / "ray_shards", in_flight[w], samples_per_shard,
+                                        decoder, "")
         expect["ray"] = frames
     runs: dict[str, dict[int, list[float]]] = {leg: {w: [] for w in workers} for leg in legs}
     cpu: dict[str, dict[int, list[float]]] = {leg: {w: [] for w in workers} for leg in legs}
