@@ -174,6 +174,25 @@ def test_plan_cli_reads_the_manifest_and_picks(tiny_cache, built_shards, capsys)
     assert "heaviest micro-batch: " in text and "pick (fastest that fits): zero2+ckpt-none" in text
 
 
+def test_plan_cli_takes_train_mains_flags_and_plan(tiny_cache, built_shards, capsys):
+    """train.plan parses train.main's own flags and plans the data as train.main does (train.memplan.memory_choice):
+    sequence parallel halves a rank's tokens, a plan error stops it with train.main's message, --help lists both."""
+    from train.plan import main
+
+    base = ["--model", str(tiny_cache / "tiny_qwen3_vl"), "--shards", str(built_shards), "--gpu-mem", "80", "--json"]
+    assert main(base + ["--gpus", "2", "--tail", "pad"]) == 0
+    whole = json.loads(capsys.readouterr().out)["workload"]
+    assert main(base + ["--gpus", "2", "--tail", "pad", "--sequence-parallel", "2"]) == 0
+    split = json.loads(capsys.readouterr().out)["workload"]
+    assert split["tokens"] == -(-whole["tokens"] // 2) and split["visual_tokens"] == whole["visual_tokens"]
+    assert main(base + ["--gpus", "64"]) == 2
+    assert "world size 64" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert "--gpu-mem" in text and "--zero-stage" in text and "--liger-kernels" in text
+
+
 def test_plan_cli_plans_liger_kernels_as_train_main_defaults_them(tiny_cache, built_shards, tmp_path, capsys):
     """Unset, --liger-kernels is train.main's default on a CUDA card (on for Qwen3-VL where liger-kernel imports,
     off for Qwen3.5); the kernels change what a layer keeps, so the prediction follows the flag. The planner

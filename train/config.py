@@ -118,6 +118,13 @@ class TrainConfig:
     def lora(self) -> bool:
         return self.finetune == "lora"
 
+    def plan_config(self, dp_world: int):
+        """The data plan's settings for `dp_world` data-parallel slots (train.main and train.plan)."""
+        from train.plan import PlanConfig
+
+        return PlanConfig(world_size=dp_world, micro_batch_size=self.micro_batch_size, grad_accum=self.grad_accum,
+                          seed=self.seed, tail=self.tail, max_tokens_per_batch=self.max_tokens_per_batch, pack=self.pack)
+
     def zero(self, name: str) -> float:
         """A ZeRO flag's value, its default when not given."""
         value = getattr(self, name)

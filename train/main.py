@@ -94,7 +94,7 @@ from train.sequence_parallel import new_groups as sp_new_groups
 from train.sequence_parallel import rank_layout as sp_layout
 from train.quantize import from_pretrained_kwargs, quantize_problem
 from train.profile import StepProfiler
-from train.plan import PlanConfig, PlanError, global_steps, plan_run, total_steps
+from train.plan import PlanError, global_steps, plan_run, total_steps
 from train.run_record import build_run_record, update_run_record, write_json
 from train.zero import fuse_gradient_checks, mark_leaf_layers, sharding_report, skip_one_rank_allreduce
 from train.positions import PositionCache
@@ -189,9 +189,7 @@ class Recipe:
         #    without a batch, or a tail that does not fit, stops here with the numbers.
         self.store = SampleStore(cfg.shards)
         self.store.check_layout(cfg.prompt_layout)
-        self.plan_config = PlanConfig(world_size=self.dp_world, micro_batch_size=cfg.micro_batch_size,
-                                      grad_accum=cfg.grad_accum, seed=cfg.seed, tail=cfg.tail,
-                                      max_tokens_per_batch=cfg.max_tokens_per_batch, pack=cfg.pack)
+        self.plan_config = cfg.plan_config(self.dp_world)
         self.plans = plan_run(list(self.store.records.values()), self.plan_config, epochs=cfg.epochs,
                               max_steps=cfg.max_steps)
         self.total_steps = total_steps(self.plans)
@@ -325,8 +323,7 @@ class Recipe:
         picks the fastest exact configuration whose predicted peak fits the smallest card of the job (its free
         memory, or --mem-cap-gib); elsewhere, or with a --deepspeed file, today's behaviour: ZeRO-3 (the file's
         stage) and every layer checkpointed."""
-        from train.memplan import auto_config, heaviest_workload, needs_auto, without_gpu_figure
-        from train.shapes import ModelShape
+        from train.memplan import memory_choice, needs_auto, without_gpu_figure
 
         if not needs_auto(cfg):
             return without_gpu_figure(cfg)
@@ -340,13 +337,8 @@ class Recipe:
         free, _ = torch.cuda.mem_get_info(self.device)
         mem = torch.tensor([cfg.mem_cap_gib if cfg.mem_cap_gib else free / 2**30], device=self.device)
         torch.distributed.all_reduce(mem, op=torch.distributed.ReduceOp.MIN)  # every rank must pick the same
-        shape = ModelShape.from_config(self.model_config, lora_targets=cfg.lora_targets)
-        work = heaviest_workload(list(self.store.records.values()),
-                                 [mb for p in self.plans for step in p.steps for rank in step for mb in rank],
-                                 pack=cfg.pack, merge=shape.merge)
-        if self.sp > 1:  # Ulysses: each rank of a group runs 1/sp of the sequence through the language model
-            work = dataclasses.replace(work, tokens=-(-work.tokens // self.sp), supervised=-(-work.supervised // self.sp))
-        resolved_cfg, choice = auto_config(cfg, shape, work, world=self.world_size, gpu_mem_gib=float(mem.item()))
+        resolved_cfg, choice = memory_choice(cfg, self.model_config, list(self.store.records.values()), self.plans,
+                                             world=self.world_size, gpu_mem_gib=float(mem.item()))
         self.log.event("memory_plan", **choice.to_json())
         self.log.say(choice.message())
         if not choice.fits:

@@ -64,7 +64,6 @@ HEADROOM = 0.95  # fits when the predicted peak <= 95% of the card (allocator fr
 MAX_LIVE = 1e8  # elements: stage3_max_live_parameters of the default DeepSpeed config
 QUANT_BYTES = {"nf4": 0.53, "int8": 1.0}  # bytes per quantized weight, scales included
 LOSS_CHUNK = 1024  # supervised positions per chunk (train.loss.LossSpec.chunk_positions)
-LOSS_KINDS = ("model", "torch", "chunked", "liger")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -409,81 +408,68 @@ def heaviest_workload(records, micro_batches, *, pack: bool, merge: int = 2) -> 
     return best
 
 
-def plan_for_run(model_dir, shards, *, gpus: int, gpu_mem_gib: float, micro_batch_size: int = 1,
-                 max_tokens_per_batch: int | None = None, pack: bool = False, finetune: str = "lora", lora_r: int = 8,
-                 lora_dropout: float = 0.05, loss: str = "chunked", vision_chunk_frames: int = 64,
-                 quantize_base: str | None = None, zero_stage: int | None = None,
-                 checkpointing: str | None = None, offload_optimizer: bool = False,
-                 offload_params: bool = False, fused_kernels: bool = False) -> Choice:
-    """The plan `train.main` would make: its data plan over the manifest (heaviest micro-batch), the model's
-    shape from config.json (no weights), the candidates under the fixed choices. fused_kernels: liger's
-    RMSNorm/SwiGLU, which change what a layer keeps."""
-    from schemas.manifest import SampleRecord, read_records
-    from train.plan import PlanConfig, plan_epoch
-
-    records = read_records(shards / "manifest.parquet", SampleRecord)
-    cfg = PlanConfig(world_size=1, micro_batch_size=micro_batch_size, tail="pad",
-                     max_tokens_per_batch=max_tokens_per_batch, pack=pack)
-    plan = plan_epoch(records, cfg, 0)  # every sample once: the heaviest micro-batch does not depend on ranks
-    shape = ModelShape.from_dir(model_dir)
-    work = heaviest_workload(records, [mb for step in plan.steps for rank in step for mb in rank], pack=pack,
-                             merge=shape.merge)
-    setups = candidates(world=gpus, loss=loss, finetune=finetune, lora_r=lora_r, lora_dropout=lora_dropout > 0,
-                        vision_chunk_frames=vision_chunk_frames, quantize_base=quantize_base, zero_stage=zero_stage,
-                        checkpointing=checkpointing, offload_optimizer=offload_optimizer, offload_params=offload_params,
-                        fused_kernels=fused_kernels)
-    return choose(shape, work, gpu_mem_gib=gpu_mem_gib, world=gpus, setups=setups,
-                  decide_attention=True)  # train.main's default (--recompute-attention unset, sdpa)
+def memory_choice(cfg, model_config, records, plans, *, world: int, gpu_mem_gib: float):
+    """(cfg with auto resolved, the Choice) for the heaviest micro-batch of `plans` on cards of `gpu_mem_gib`:
+    what `--zero-stage auto` applies (train.main on CUDA) and what `python -m train.plan` prints, one path."""
+    shape = ModelShape.from_config(model_config, lora_targets=cfg.lora_targets)
+    work = heaviest_workload(records, [mb for p in plans for step in p.steps for rank in step for mb in rank],
+                             pack=cfg.pack, merge=shape.merge)
+    if cfg.sequence_parallel > 1:  # Ulysses: each rank of a group runs 1/sp of the sequence through the LLM
+        sp = cfg.sequence_parallel
+        work = dataclasses.replace(work, tokens=-(-work.tokens // sp), supervised=-(-work.supervised // sp))
+    return auto_config(cfg, shape, work, world=world, gpu_mem_gib=gpu_mem_gib)
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """python -m train.plan --model DIR --shards SHARDS --gpus N --gpu-mem GiB [--json]"""
+    """python -m train.plan --model DIR --shards SHARDS --gpus N --gpu-mem GiB [--json] [train.main's flags]"""
     import argparse
     import sys
     from pathlib import Path
 
-    ap = argparse.ArgumentParser(prog="train.plan", description="Predict the peak GPU memory per phase of a "
-                                 "training run for its heaviest micro-batch and pick the fastest configuration that "
-                                 "fits (the same rule train.main --zero-stage auto applies on CUDA).")
-    ap.add_argument("--model", type=Path, required=True, help="model directory (config.json is enough)")
-    ap.add_argument("--shards", type=Path, required=True, help="prep build output (manifest.parquet)")
-    ap.add_argument("--gpus", type=int, default=1, help="data-parallel ranks (ZeRO partitions over them)")
-    ap.add_argument("--gpu-mem", type=float, required=True, help="GiB per GPU (the card, or a --mem-cap-gib)")
-    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
-    ap.add_argument("--micro-batch-size", type=int, default=1)
-    ap.add_argument("--max-tokens-per-batch", type=int, default=None)
-    ap.add_argument("--pack", action="store_true")
-    ap.add_argument("--finetune", choices=("lora", "full"), default="lora")
-    ap.add_argument("--lora-r", type=int, default=8)
-    ap.add_argument("--lora-dropout", type=float, default=0.05)
-    ap.add_argument("--loss-impl", choices=LOSS_KINDS, default="chunked", help="model = logits at every position")
-    ap.add_argument("--vision-chunk-frames", type=int, default=64)
-    ap.add_argument("--quantize-base", choices=tuple(QUANT_BYTES), default=None)
-    ap.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None, help="fix the stage")
-    ap.add_argument("--gradient-checkpointing", default=None, help="fix the checkpointing (all|none|every-K)")
-    ap.add_argument("--liger-kernels", action=argparse.BooleanOptionalAction, default=None,
-                    help="liger's RMSNorm/SwiGLU (default: train.main's on a CUDA card: on for Qwen3-VL where "
-                         "liger-kernel is importable)")
-    a = ap.parse_args(argv)
-    try:
-        if a.liger_kernels is None:
-            from train.kernels import liger_kernels_default
-            from train.models import detect_family
+    from transformers import AutoConfig
 
-            a.liger_kernels = liger_kernels_default(detect_family(a.model), compile=False, device_type="cuda")
-        choice = plan_for_run(a.model, a.shards, gpus=a.gpus, gpu_mem_gib=a.gpu_mem,
-                              micro_batch_size=a.micro_batch_size, max_tokens_per_batch=a.max_tokens_per_batch,
-                              pack=a.pack, finetune=a.finetune, lora_r=a.lora_r, lora_dropout=a.lora_dropout,
-                              loss=a.loss_impl, vision_chunk_frames=a.vision_chunk_frames,
-                              quantize_base=a.quantize_base, zero_stage=a.zero_stage,
-                              checkpointing=a.gradient_checkpointing, fused_kernels=a.liger_kernels)
-    except (ValueError, FileNotFoundError) as e:
+    from schemas.manifest import SampleRecord, read_records
+    from train.config import ConfigError, TrainConfig, build_parser
+    from train.kernels import liger_kernels_default
+    from train.models import detect_family
+    from train.plan import PlanError, plan_run
+
+    ap = argparse.ArgumentParser(
+        prog="train.plan", parents=[build_parser()], add_help=False,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Predict the peak GPU memory per phase of a training run for its heaviest micro-batch and pick "
+                    "the fastest configuration that fits: what train.main --zero-stage auto applies on CUDA, with "
+                    "train.main's own flags and defaults (liger's kernels as train.main decides them on a CUDA card).")
+    g = ap.add_argument_group("planner")
+    g.add_argument("--gpus", type=int, default=1, help="ranks of the job (ZeRO partitions over them)")
+    g.add_argument("--gpu-mem", type=float, required=True, help="GiB per GPU (the card, or a --mem-cap-gib)")
+    g.add_argument("--json", action="store_true", help="print the plan as JSON")
+    for action in ap._actions:  # a plan writes nothing: train.main's run directory is not needed here
+        if action.dest == "output_dir":
+            action.required, action.default, action.help = False, Path("."), argparse.SUPPRESS
+    ns = vars(ap.parse_args(argv))
+    gpus, gpu_mem, as_json = ns.pop("gpus"), ns.pop("gpu_mem"), ns.pop("json")
+    ns.pop("local_rank", None)
+    try:
+        cfg = TrainConfig(**ns)
+        cfg.validate()
+        if cfg.model is None:
+            raise ConfigError("train.plan needs --model DIR (its config.json is enough)")
+        if cfg.liger_kernels is None:
+            cfg = dataclasses.replace(cfg, liger_kernels=liger_kernels_default(
+                detect_family(cfg.model), compile=cfg.compile, device_type="cuda"))
+        records = read_records(cfg.shards / "manifest.parquet", SampleRecord)
+        plans = plan_run(records, cfg.plan_config(gpus // cfg.sequence_parallel), epochs=cfg.epochs,
+                         max_steps=cfg.max_steps)
+        _, choice = memory_choice(cfg, AutoConfig.from_pretrained(cfg.model), records, plans, world=gpus,
+                                  gpu_mem_gib=gpu_mem)
+    except (ConfigError, PlanError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if a.json:
-        print(json.dumps(dict(choice.to_json(), liger_kernels=a.liger_kernels), indent=1))
+    if as_json:
+        print(json.dumps(dict(choice.to_json(), liger_kernels=cfg.liger_kernels), indent=1))
     else:
-        print(f"liger kernels: {'on' if a.liger_kernels else 'off'}\n{choice.message()}")
+        print(f"liger kernels: {'on' if cfg.liger_kernels else 'off'}\n{choice.message()}")
     return 0
 
 
