@@ -503,7 +503,10 @@ def auto_config(cfg, shape: ModelShape, work: Workload, *, world: int, gpu_mem_g
     auto, plus any offload the pick needs; what the flags fix stays fixed (candidates narrowed to it)."""
     fixed_stage = 3 if cfg.preset else cfg.zero_stage
     auto_ckpt = cfg.gradient_checkpointing == "auto"
-    setups = candidates(world=world, loss="model" if cfg.full_logits else "chunked", finetune=cfg.finetune,
+    # --loss-impl auto runs chunked except for a trainable lm_head under ZeRO-3 (train.loss.resolve_loss_impl),
+    # which depends on the stage this picks: planned as chunked
+    loss = "model" if cfg.full_logits else "chunked" if cfg.loss_impl == "auto" else cfg.loss_impl
+    setups = candidates(world=world, loss=loss, finetune=cfg.finetune,
                         lora_r=cfg.lora_r, lora_dropout=cfg.lora_dropout > 0,
                         vision_chunk_frames=cfg.vision_chunk_frames, quantize_base=cfg.quantize_base,
                         zero_stage=fixed_stage, checkpointing=None if auto_ckpt else cfg.gradient_checkpointing,
