@@ -187,6 +187,8 @@ def test_plan_cli_takes_train_mains_flags_and_plan(tiny_cache, built_shards, cap
     assert split["tokens"] == -(-whole["tokens"] // 2) and split["visual_tokens"] == whole["visual_tokens"]
     assert main(base + ["--gpus", "64"]) == 2
     assert "world size 64" in capsys.readouterr().err
+    assert main(base + ["--gpus", "3", "--sequence-parallel", "2"]) == 2
+    assert "--gpus 3: give a positive multiple of --sequence-parallel 2" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--help"])
     text = capsys.readouterr().out

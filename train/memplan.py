@@ -455,6 +455,8 @@ def cli(argv: list[str] | None = None) -> int:
         cfg.validate()
         if cfg.model is None:
             raise ConfigError("train.plan needs --model DIR (its config.json is enough)")
+        if gpus < 1 or gpus % cfg.sequence_parallel:
+            raise ConfigError(f"--gpus {gpus}: give a positive multiple of --sequence-parallel {cfg.sequence_parallel}")
         if cfg.liger_kernels is None:
             cfg = dataclasses.replace(cfg, liger_kernels=liger_kernels_default(
                 detect_family(cfg.model), compile=cfg.compile, device_type="cuda"))
