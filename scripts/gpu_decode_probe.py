@@ -489,9 +489,10 @@ def _build(videos: str, out: Path, device: str, workers: int, timeout_s: float) 
     try:
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as e:  # slow or hung: its log lines so far say which (session 9 lost them)
-        text = lambda b: (b.decode(errors="replace") if isinstance(b, bytes) else b or "")  # noqa: E731
+        # on a timeout the captured output comes back as bytes even with text=True
+        stderr, stdout = ((b or b"").decode(errors="replace") for b in (e.stderr, e.stdout))
         return {"device": device, "workers": workers, "rc": None, "timed_out_s": timeout_s,
-                "stderr": text(e.stderr)[-3000:], "stdout": text(e.stdout)[-1500:]}
+                "stderr": stderr[-3000:], "stdout": stdout[-1500:]}
     wall = time.perf_counter() - t0
     res = {"device": device, "workers": workers, "rc": run.returncode, "wall_s": round(wall, 2)}
     if run.returncode != 0 or not (out / "build.json").is_file():

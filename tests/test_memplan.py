@@ -240,8 +240,8 @@ def test_zero_stage_auto_applies_the_pick_and_keeps_what_the_flags_fix(shapes, t
     preset = TrainConfig(shards=tmp_path, output_dir=tmp_path, preset="video-ora-zero3", gradient_checkpointing="all")
     assert not needs_auto(preset) and without_gpu_figure(preset).zero_stage == 3
     for impl in ("torch", "liger"):  # an explicit --loss-impl is planned as given (torch keeps the full logits)
-        given, choice = auto_config(TrainConfig(shards=tmp_path, output_dir=tmp_path, loss_impl=impl), s, w, world=1,
-                                    gpu_mem_gib=139)
+        _, choice = auto_config(TrainConfig(shards=tmp_path, output_dir=tmp_path, loss_impl=impl), s, w, world=1,
+                                gpu_mem_gib=139)
         assert all(p.setup.loss == impl for p, _ in choice.table)
     fused = TrainConfig(shards=tmp_path, output_dir=tmp_path, liger_kernels=True)  # what auto runs on CUDA
     long, choice = auto_config(fused, s, _work(256, 26326, 15), world=1, gpu_mem_gib=12)
