@@ -77,6 +77,10 @@ LEGS: dict[str, tuple[str, ...]] = {
     "auto-keep-attention": ("--no-recompute-attention",),
     "auto-recompute-attention": ("--recompute-attention",),  # what auto picked before it could keep them
     "auto-liger-kernels": ("--liger-kernels",),  # Qwen3.5 (liger is on by default for Qwen3-VL only)
+    # one rank, every parameter whole, with DeepSpeed's memory-efficient linear (what ZeRO-3 ran before train.config
+    # turned it off there; an explicit threshold leaves DeepSpeed's default)
+    "zero3-ds-linear": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--param-persistence-threshold", "1e15"),
+    "zero2-profile": ("--zero-stage", "2", "--gradient-checkpointing", "all", "--liger-kernels", "--profile-steps", "2"),
     "zero3-no-fused-grad-checks": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--no-fused-grad-checks"),
     # ZeRO-3 on one rank with every parameter whole: nothing to prefetch, so the prefetch bookkeeping off
     "zero3-no-prefetch": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--prefetch-bucket-size", "1"),
@@ -134,6 +138,7 @@ def issue9_matrix() -> list[Leg]:
     legs += [Leg(config="auto-keep-attention", frames=512), Leg(config="auto-liger-kernels", size=q9),
              Leg(config="auto-keep-attention", frames=1024, steps=3)]  # 39-41
     legs += [Leg(config="auto-recompute-attention", frames=512), Leg(config="zero3-no-fused-grad-checks")]  # 42-43
+    legs += [Leg(config="zero3-ds-linear"), Leg(config="zero2-profile")]  # 44-45
     return legs
 
 

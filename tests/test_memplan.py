@@ -293,3 +293,26 @@ def test_auto_keeps_attention_where_that_recomputes_fewer_flops(shapes, tmp_path
     resolved, _ = auto_config(fixed, s, work, world=1, gpu_mem_gib=139.29)
     assert resolved.recompute_attention is True and resolved.gradient_checkpointing == "all-but-13"
     assert without_gpu_figure(cfg).recompute_attention is True
+
+
+def test_one_rank_zero3_without_parameter_offload_keeps_no_frozen_inputs(shapes, tmp_path):
+    """One rank keeps every parameter whole, so train.config turns DeepSpeed's memory-efficient linear off:
+    the planner stops counting the frozen projections' inputs there, and only there."""
+    from train.config import TrainConfig, resolve_deepspeed_config
+
+    s, work = shapes["qwen3_vl_4b"], _work(128, 13180, 13)
+    z3 = Setup(zero_stage=3, checkpointing="all-but-3", fused_kernels=True)
+    z2 = dataclasses.replace(z3, zero_stage=2)
+    assert predict(s, work, z3).parts["kept_layers"] == pytest.approx(predict(s, work, z2).parts["kept_layers"])
+    assert predict(s, work, z3, world=2).parts["kept_layers"] > predict(s, work, z2, world=2).parts["kept_layers"] + 1
+    offload = dataclasses.replace(z3, offload_params=True, offload_optimizer=True)
+    assert predict(s, work, offload).parts["kept_layers"] > predict(s, work, z2).parts["kept_layers"] + 1
+
+    def zero(world: int, **kw):
+        cfg = TrainConfig(shards=tmp_path, output_dir=tmp_path, zero_stage=3, **kw)
+        return resolve_deepspeed_config(cfg, world, 10)["zero_optimization"]
+
+    assert zero(1)["memory_efficient_linear"] is False
+    assert "memory_efficient_linear" not in zero(2)  # DeepSpeed's default (on): parameters are released
+    assert "memory_efficient_linear" not in zero(1, offload_params=True)
+    assert "memory_efficient_linear" not in zero(1, param_persistence_threshold=1e15)  # explicit: DeepSpeed decides

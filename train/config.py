@@ -540,6 +540,10 @@ def resolve_deepspeed_config(cfg: TrainConfig, world_size: int, total_steps: int
         # a copy plus a wait on the compute stream; every parameter persistent keeps the frozen base resident
         # (the same bytes) and skips them. An explicit --param-persistence-threshold still decides.
         ds["zero_optimization"]["stage3_param_persistence_threshold"] = ONE_RANK_PERSISTENCE
+        # Nothing is ever released then, so DeepSpeed's memory-efficient linear (a Python autograd Function
+        # around every linear, there so a saved weight view cannot outlive a release) guards nothing; torch's
+        # own linear saves a projection's input only when its weight trains, and launches from C++.
+        ds["zero_optimization"]["memory_efficient_linear"] = False
     for keys, value in fills.items():
         node = ds
         for k in keys[:-1]:

@@ -157,9 +157,10 @@ def layer_bytes_per_token(layer: LayerShape, shape: ModelShape, *, lora_dropout:
     whether the weight trains or not (its memory-efficient linear, on by default), so a frozen base keeps the
     projections' inputs too (one H200, 4B at 128 frames under a 12 GiB cap, three layers not checkpointed:
     the OOM report's allocation sites held ~2.43 GiB a layer where this counted 1.96 without it). Turning it off
-    (torch's F.linear) is no lever: autograd then saves a view of the gathered weight, which outlives ZeRO-3's
-    release of it (2 CPU ranks, partitioned, one layer not checkpointed: 442 KB of weights held, 12 KB of
-    inputs freed)."""
+    (torch's F.linear) is no lever where parameters are released: autograd then saves a view of the gathered
+    weight, which outlives ZeRO-3's release of it (2 CPU ranks, partitioned, one layer not checkpointed: 442 KB
+    of weights held, 12 KB of inputs freed). Where nothing is released (one rank, every parameter whole),
+    train.config turns it off and `predict` passes zero3=False."""
     H, I = shape.hidden, shape.intermediate
     f32 = act if fused else 4  # what a norm keeps per element
     lora = sum(n * w for w, n in layer.lora_inputs.items()) * (act + 1) if lora_dropout else 0  # output + mask
@@ -226,9 +227,12 @@ def predict(shape: ModelShape, work: Workload, setup: Setup, *, world: int = 1, 
 
     spec = Checkpointing.parse(setup.checkpointing)
     ckpt = set(spec.layers(len(shape.layers)))
+    # one rank without parameter offload keeps every parameter whole, and train.config then turns DeepSpeed's
+    # memory-efficient linear off (nothing is released, so torch's linear is safe): frozen inputs go
+    zero3_linear = stage == 3 and (world > 1 or setup.offload_params)
     per_layer = [layer_bytes_per_token(layer, shape, lora_dropout=setup.lora_dropout and setup.finetune == "lora",
                                        fused=setup.fused_kernels, linear_kernel=setup.linear_attention,
-                                       zero3=stage == 3, act=act) for layer in shape.layers]
+                                       zero3=zero3_linear, act=act) for layer in shape.layers]
     boundaries = len(ckpt) * T * shape.hidden * act  # also with offload_activations: measured (module docstring)
     if setup.keep_attention:  # the sdpa output (bf16) and its log-sum-exp (fp32 per head) of each full-attention one
         boundaries += sum(T * (act * layer.q + 4 * shape.heads) for i, layer in enumerate(shape.layers)
