@@ -111,6 +111,8 @@ def test_lora_run_plans_trains_verifies_and_saves(drop_run):
     for r in (0, 1):
         (shard,) = events(run, r, "zero3_sharding")
         assert shard["ok"] and shard["unpartitioned_bytes"] == 0 and shard["resident_bytes"] < shard["total_bytes"]
+        # LoRA trains in the compute dtype as under ZeRO-2 (DeepSpeed does not cast a model partitioned at load)
+        assert [e["dtypes"] for e in events(run, r, "trainable_dtypes")] == [["bfloat16"]]
     assert "LoRA sanity after step 1: 14/14 lora_B changed; 14/14 lora_A unchanged (expected" in out
     # the ledger proves exactly-once per epoch, with the dropped sample accounted
     ledger = [e for e in events(run, 0, "ledger")]
