@@ -573,3 +573,29 @@ def test_kept_attention_is_not_recomputed_and_gives_the_same_loss_and_gradients(
     assert chosen == list(range(layers)) and calls[True] > 0
     assert calls[False] - calls[True] == layers, calls  # the recomputation's attention calls are gone
     _assert_same(runs[True], runs[False], rel=1e-5)
+
+
+def test_liger_kernels_default_covers_qwen3_5_only_where_its_entry_point_imports(monkeypatch):
+    import importlib.machinery
+    import sys
+    import types
+
+    from train.kernels import liger_kernels_default
+
+    def fake_liger(with_qwen3_5: bool):
+        root, sub = types.ModuleType("liger_kernel"), types.ModuleType("liger_kernel.transformers")
+        root.__spec__ = importlib.machinery.ModuleSpec("liger_kernel", None)
+        if with_qwen3_5:
+            sub.apply_liger_kernel_to_qwen3_5 = lambda **kw: None
+        root.transformers = sub
+        monkeypatch.setitem(sys.modules, "liger_kernel", root)
+        monkeypatch.setitem(sys.modules, "liger_kernel.transformers", sub)
+
+    fake_liger(True)
+    assert liger_kernels_default("qwen3_5", compile=False, device_type="cuda")
+    assert liger_kernels_default("qwen3_vl", compile=False, device_type="cuda")
+    assert not liger_kernels_default("qwen3_5", compile=True, device_type="cuda")
+    assert not liger_kernels_default("qwen3_5", compile=False, device_type="cpu")
+    fake_liger(False)  # a liger older than 0.8.0: Qwen3.5 stays off, Qwen3-VL on
+    assert not liger_kernels_default("qwen3_5", compile=False, device_type="cuda")
+    assert liger_kernels_default("qwen3_vl", compile=False, device_type="cuda")

@@ -197,7 +197,7 @@ def test_plan_cli_takes_train_mains_flags_and_plan(tiny_cache, built_shards, cap
 
 def test_plan_cli_plans_liger_kernels_as_train_main_defaults_them(tiny_cache, built_shards, tmp_path, capsys):
     """Unset, --liger-kernels is train.main's default on a CUDA card (on for Qwen3-VL where liger-kernel imports,
-    off for Qwen3.5); the kernels change what a layer keeps, so the prediction follows the flag. The planner
+    for Qwen3.5 where its entry point does too); the kernels change what a layer keeps, so the prediction follows the flag. The planner
     reads config.json only: the 4B shape's, without weights."""
     from schemas.prompt import load_tokenizer
     from train.kernels import liger_kernels_default
@@ -217,7 +217,8 @@ def test_plan_cli_plans_liger_kernels_as_train_main_defaults_them(tiny_cache, bu
     default = plan(tmp_path / "vl4b")
     assert default["liger_kernels"] is liger_kernels_default("qwen3_vl", compile=False, device_type="cuda")
     assert default["pick"]["peak_gib"] == (on if default["liger_kernels"] else off)["pick"]["peak_gib"]
-    assert plan(tiny_cache / "tiny_qwen3_5")["liger_kernels"] is False
+    assert plan(tiny_cache / "tiny_qwen3_5")["liger_kernels"] is liger_kernels_default("qwen3_5", compile=False,
+                                                                                       device_type="cuda")
 
 
 def test_zero_stage_auto_applies_the_pick_and_keeps_what_the_flags_fix(shapes, tmp_path):
