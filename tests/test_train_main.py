@@ -393,3 +393,25 @@ def test_renamed_checkpoint_key_fails_load_verification(cache, one, tmp_path):
     assert "model.visual.blocks.1.attn.proj.weight_renamed" in proc.stderr
     assert "model parameter model.visual.blocks.1.attn.proj.weight has no checkpoint key" in proc.stderr
     assert not any(e["event"] == "step" for e in events(tmp_path / "run", 0))
+
+
+def test_a_killed_cpu_adam_build_fails_the_run_in_seconds_instead_of_waiting_forever(cache, one, tmp_path, monkeypatch):
+    """A build of DeepSpeed's CPU Adam op killed mid-way leaves torch's lock file; torch then waits on it without
+    a word. train.main names the file before loading anything; a fresh lock (a build under way) is left alone."""
+    from train.zero import STALE_BUILD_LOCK_S, stale_build_lock
+
+    ext = tmp_path / "torch_extensions"
+    env = {"TORCH_EXTENSIONS_DIR": str(ext)}
+    lock = ext / "cpu_adam" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(ext))
+    assert stale_build_lock() is None  # fresh: another process may be building
+    old = lock.stat().st_mtime - STALE_BUILD_LOCK_S - 60
+    os.utime(lock, (old, old))
+    assert stale_build_lock() == lock
+    proc = launch(_args(one, tmp_path / "run", cache, "--model-family", "qwen3_vl", "--zero-stage", "3",
+                        "--offload-optimizer"), nproc=0, env=env, timeout=120)
+    assert proc.returncode == 2, explain(proc)
+    assert str(lock) in proc.stderr and "delete that file" in proc.stderr, explain(proc)
+    assert not any(e["event"] == "load_start" for e in events(tmp_path / "run", 0))

@@ -96,7 +96,14 @@ from train.quantize import from_pretrained_kwargs, quantize_problem
 from train.profile import StepProfiler
 from train.plan import PlanError, global_steps, plan_run, total_steps
 from train.run_record import build_run_record, update_run_record, write_json
-from train.zero import fuse_gradient_checks, mark_leaf_layers, sharding_report, skip_one_rank_allreduce
+from train.zero import (
+    STALE_BUILD_LOCK_S,
+    fuse_gradient_checks,
+    mark_leaf_layers,
+    sharding_report,
+    skip_one_rank_allreduce,
+    stale_build_lock,
+)
 from train.positions import PositionCache
 from train.vision import VisionCache, cache_problems, entry_bytes
 
@@ -242,6 +249,10 @@ class Recipe:
         # them): one stage for the load, the engine, the saver and run.json.
         self.cfg = cfg = resolved(cfg, self.ds_config)
         self.zero_stage = cfg.zero_stage
+        if cfg.offload_optimizer and (lock := stale_build_lock()) is not None:
+            raise ConfigError(f"optimizer offload needs DeepSpeed's CPU Adam op, and its build directory holds a lock "
+                              f"older than {STALE_BUILD_LOCK_S // 60} minutes ({lock}): a build was killed mid-way and "
+                              "torch would wait on it forever; delete that file and run again")
         if cfg.compile and self.zero_stage == 3:
             raise ConfigError("--compile with ZeRO-3: DeepSpeed's parameter hooks run inside each layer's call and "
                               "would be traced; use --zero-stage 2 (or 0/1)")

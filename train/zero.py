@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 import types
+from pathlib import Path
 
 import torch
 
@@ -187,3 +189,22 @@ def sharding_report(model, *, rank: int, world: int) -> ShardingReport:
             unpartitioned += p.numel() * size
     return ShardingReport(rank=rank, world=world, total_bytes=total, resident_bytes=resident,
                           persistent_bytes=persistent, unpartitioned_bytes=unpartitioned)
+
+
+STALE_BUILD_LOCK_S = 900  # DeepSpeed's CPU Adam op builds in about a minute; a lock this old outlived its build
+
+
+def stale_build_lock(op: str = "cpu_adam", *, max_age_s: float = STALE_BUILD_LOCK_S) -> Path | None:
+    """The JIT build lock of DeepSpeed op `op` (torch's extension directory) when older than max_age_s, or None.
+
+    Why: `--offload-optimizer` builds DeepSpeed's CPU Adam op on first use; a build killed mid-way (a timeout,
+    Ctrl-C) leaves `<build dir>/lock`, and every later run then waits on it forever without a word (torch's
+    FileBaton). Seen on one H200: a bench leg killed while building, the next leg silent for 235 s."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(op, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    return lock if age > max_age_s else None
