@@ -195,6 +195,19 @@ def make_model(out: Path, size: str) -> Path:
     return model
 
 
+def build_cpu_adam(timeout: float = 900) -> float:
+    """Build DeepSpeed's CPU Adam op (seconds taken) before the first leg that may offload the optimizer (the
+    planner picks that under a memory cap): untimed there, and never inside a leg whose timeout could kill it
+    mid-build. A killed build leaves torch's lock file, and the next leg then waits on it (session 10)."""
+    t = time.time()
+    try:
+        subprocess.run([sys.executable, "-c", "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"],
+                       check=True, cwd=REPO, timeout=timeout, env=child_env(), capture_output=True, text=True)
+    except subprocess.CalledProcessError as e:  # the leg then fails on its own, with DeepSpeed's words
+        print(f"bench: building DeepSpeed's CPU Adam op failed:\n{(e.stderr or '')[-2000:]}", file=sys.stderr)
+    return round(time.time() - t, 1)
+
+
 def gpu_name() -> str | None:
     """The first GPU's name from nvidia-smi (no CUDA context in this process), or None."""
     try:
@@ -511,8 +524,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"unknown legs {unknown}; choose from anchor, {', '.join(LEGS)}")
     results = []
+    cpu_adam_built = False
     for leg in legs:
         row = {"leg": leg.name, "config": leg.config, "size": leg.size, "frames": leg.frames, "cap_gib": leg.cap_gib}
+        if not cpu_adam_built and (leg.cap_gib or "offload" in leg.config) and leg.config != "anchor":
+            row["cpu_adam_build_s"] = build_cpu_adam()
+            cpu_adam_built = True
         left = None if a.budget_s is None else a.budget_s - (time.time() - t0)
         if left is not None and left < 40:
             row["skipped"] = f"time budget ({a.budget_s:.0f} s) spent"
