@@ -76,7 +76,7 @@ LEGS: dict[str, tuple[str, ...]] = {
     # checkpointed layers keep their attention output (the long-window lever: only the cheap part recomputed)
     "auto-keep-attention": ("--no-recompute-attention",),
     "auto-recompute-attention": ("--recompute-attention",),  # what auto picked before it could keep them
-    "auto-liger-kernels": ("--liger-kernels",),  # Qwen3.5 (liger is on by default for Qwen3-VL only)
+    "auto-liger-kernels": ("--liger-kernels",),  # = auto since 3c12321 (liger on by default for Qwen3.5 too)
     # one rank, every parameter whole, with DeepSpeed's memory-efficient linear (what ZeRO-3 ran before train.config
     # turned it off there; an explicit threshold leaves DeepSpeed's default)
     "zero3-ds-linear": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--param-persistence-threshold", "1e15"),

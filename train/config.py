@@ -433,7 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "the device first), torch (plain fallback), auto (fla when importable and correct)")
     g.add_argument("--liger-kernels", action=argparse.BooleanOptionalAction, default=None,
                    help="liger-kernel's fused RMSNorm, rotary embedding and SwiGLU in the language model (CUDA). "
-                   "Default: on for Qwen3-VL on CUDA where liger-kernel imports (and not with --compile), else off")
+                   "Default: on for Qwen3-VL, and for Qwen3.5 where liger has its entry point (>= 0.8.0), on CUDA where "
+                   "liger-kernel imports (and not with --compile), else off")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each language-model decoder layer (fuses the elementwise work between the "
                    "matmuls; the first step compiles; ZeRO <= 2)")
