@@ -16,6 +16,8 @@ Stages, each in its own try/except (a failure is recorded with its traceback and
   stages   frames/s of NVDEC decode (all frames, and the windows' frames as the build asks), GPU resize, nvjpeg,
            next to one CPU core's decord / resize / PIL JPEG on the same frames; on a 640x360 and a 1080p clip
            (stages_hd)
+  streams  --streams K fresh processes decoding one clip at once: start-up (CUDA, decoder, nvjpeg) timed apart,
+           and the aggregate decoded frames/s (do NVDEC streams add up on this GPU?)
 NVDEC runs only in spawned children that never import decord or PyAV (nvdec_api; parity_nvdec and stages_nvdec
 record `loaded_before_nvdec`, [] by construction); only nvdec_after_* mix them, on purpose. parity and stages
 plan, decode with decord / PyAV and time the CPU in a child of their own (parity_reference, stages_cpu) and
@@ -479,6 +481,65 @@ def stages_nvdec(plan: dict) -> dict:
     return out
 
 
+def streams(path: str, counts: list[int]) -> dict:
+    """Whether NVDEC streams add up (session 10: 4 and 8 cuda build workers decoded ~870 and ~800 frames/s in all,
+    half of one stream alone): for each K in counts, K fresh spawned processes each start up (CUDA, PyNvVideoCodec,
+    a decoder's first frame, nvjpeg's first encode; timed), wait for one another, then decode every frame of
+    `path` at once. Per K: the median start-up and the aggregate decoded frames/s over the common wall time."""
+    import multiprocessing as mp
+
+    one = getattr(importlib.import_module("scripts.gpu_decode_probe"), "stream_one")  # not __main__'s (isolated)
+    out = {"clip": Path(path).name, "runs": {}}
+    with mp.Manager() as manager:
+        for k in counts:
+            barrier = manager.Barrier(k)
+            with ProcessPoolExecutor(k, mp_context=mp.get_context("spawn"), initializer=faulthandler.enable) as ex:
+                runs = list(ex.map(one, [path] * k, [barrier] * k))
+            out["runs"][str(k)] = aggregate_streams(runs)
+    return out
+
+
+def stream_one(path: str, barrier) -> dict:
+    """One stream of `streams`, in its own fresh process: start-up timed apart from the decode."""
+    t0 = time.perf_counter()
+    import torch
+
+    from prep import gpu
+
+    nvc = gpu.nvc()
+    torch.zeros(1, device="cuda")
+    gpu.encode_jpegs(torch.zeros(1, 16, 16, 3, dtype=torch.uint8, device="cuda"), 95)
+
+    def decode(limit: int | None) -> int:
+        demuxer = nvc.CreateDemuxer(filename=path)
+        decoder = nvc.CreateDecoder(gpuid=0, codec=demuxer.GetNvCodecId(), usedevicememory=True)
+        n = 0
+        for packet in demuxer:
+            n += sum(1 for _ in decoder.Decode(packet))
+            if limit is not None and n >= limit:
+                break
+        _sync()
+        return n
+
+    decode(1)
+    startup = time.perf_counter() - t0
+    barrier.wait()
+    start = time.time()
+    frames = decode(None)
+    return {"startup_s": startup, "start": start, "end": time.time(), "frames": frames}
+
+
+def aggregate_streams(runs: list[dict]) -> dict:
+    """K streams' records -> median start-up, the wall time from the first start to the last end, and the frames
+    all of them decoded per second of it (the GPU's aggregate rate)."""
+    wall = max(r["end"] for r in runs) - min(r["start"] for r in runs)
+    frames = sum(r["frames"] for r in runs)
+    starts = sorted(r["startup_s"] for r in runs)
+    return {"streams": len(runs), "startup_s_median": round(starts[len(starts) // 2], 3),
+            "startup_s_max": round(starts[-1], 3), "wall_s": round(wall, 4), "frames": frames,
+            "aggregate_fps": round(frames / wall, 1) if wall > 0 else None}
+
+
 # ----------------------------------------------------------------------------------------------- builds
 
 
@@ -600,6 +661,12 @@ def table(res: dict) -> str:
                      f"frames/s, windows {h['nvdec_windows_s']} s vs decord 1 thread {h['decord_1thread_windows_s']} s; "
                      f"GPU resize + nvjpeg {h['gpu_resize_nvjpeg_fps']} frames/s vs one CPU core "
                      f"{h['cpu_resize_jpeg_fps_1core']}")
+    st = res.get("streams") or {}
+    if st.get("runs"):
+        lines += ["", f"concurrent NVDEC streams on {st['clip']} (fresh processes):", "",
+                  "| streams | start-up s (median / max) | aggregate decoded frames/s |", "|---|---|---|"]
+        lines += [f"| {k} | {r['startup_s_median']} / {r['startup_s_max']} | {r['aggregate_fps']} |"
+                  for k, r in st["runs"].items()]
     for key, label in (("builds", "the issue's set"), ("builds_hd", "1920x1080 set")):
         b = res.get(key) or {}
         if b.get("best"):
@@ -632,6 +699,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hd-duration", type=float, default=20.0)
     ap.add_argument("--cpu-workers", type=int, default=16)
     ap.add_argument("--gpu-workers", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8],
+                    help="concurrent NVDEC streams to measure the aggregate decode rate at (stage streams)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--budget-s", type=float, default=200.0, help="after this, repeats are skipped")
     args = ap.parse_args(argv)
@@ -661,6 +730,7 @@ def main(argv: list[str] | None = None) -> int:
         hd_clips = sorted(Path(made["hd"]).glob("*.mp4"))
         if hd_clips:
             _stage(res, "stages_hd", stages, str(hd_clips[0]))
+        _stage(res, "streams", streams, clips[-1], args.streams)
         save()
     if made:
         b = _stage(res, "builds", builds, made["set"], args.work, args.cpu_workers, args.gpu_workers, args.repeats,

@@ -261,3 +261,17 @@ def test_the_probes_timed_out_build_keeps_its_log_lines(tmp_path, monkeypatch):
     monkeypatch.setattr(probe.subprocess, "run", run)
     res = probe._build("videos", tmp_path / "out", "cuda", 4, timeout_s=30.0)
     assert res["rc"] is None and res["timed_out_s"] == 30.0 and '"shard": 3' in res["stderr"], res
+
+
+def test_the_probes_streams_stage_reports_the_aggregate_rate_over_the_common_wall_time():
+    """K streams that overlap exactly decode K times one stream's frames in one stream's time; streams that run
+    one after another (the session-10 build's case) add nothing. The table prints the rows."""
+    from scripts import gpu_decode_probe as probe
+
+    together = [{"startup_s": 2.0 + i, "start": 10.0, "end": 11.0, "frames": 900} for i in range(4)]
+    serial = [{"startup_s": 2.0, "start": 10.0 + i, "end": 11.0 + i, "frames": 900} for i in range(4)]
+    t, s = probe.aggregate_streams(together), probe.aggregate_streams(serial)
+    assert t["aggregate_fps"] == 3600.0 and s["aggregate_fps"] == 900.0
+    assert t["startup_s_median"] == 4.0 and t["startup_s_max"] == 5.0 and t["streams"] == 4
+    text = probe.table({"streams": {"clip": "a.mp4", "runs": {"4": t}}})
+    assert "| 4 | 4.0 / 5.0 | 3600.0 |" in text, text
