@@ -79,7 +79,7 @@ LEGS: dict[str, tuple[str, ...]] = {
     "auto-liger-kernels": ("--liger-kernels",),  # = auto since 3c12321 (liger on by default for Qwen3.5 too)
     # one rank, every parameter whole, with DeepSpeed's memory-efficient linear (what ZeRO-3 ran before train.config
     # turned it off there; an explicit threshold leaves DeepSpeed's default)
-    "zero3-ds-linear": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--param-persistence-threshold", "1e15"),
+    "zero3-ds-linear": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--param-persistence-threshold", "1e14"),
     "zero2-profile": ("--zero-stage", "2", "--gradient-checkpointing", "all", "--liger-kernels", "--profile-steps", "2"),
     "zero3-no-fused-grad-checks": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--no-fused-grad-checks"),
     # ZeRO-3 on one rank with every parameter whole: nothing to prefetch, so the prefetch bookkeeping off

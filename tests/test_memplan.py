@@ -299,7 +299,7 @@ def test_auto_keeps_attention_where_that_recomputes_fewer_flops(shapes, tmp_path
 def test_one_rank_zero3_without_parameter_offload_keeps_no_frozen_inputs(shapes, tmp_path):
     """One rank keeps every parameter whole, so train.config turns DeepSpeed's memory-efficient linear off:
     the planner stops counting the frozen projections' inputs there, and only there."""
-    from train.config import TrainConfig, resolve_deepspeed_config
+    from train.config import ONE_RANK_PERSISTENCE, TrainConfig, resolve_deepspeed_config
 
     s, work = shapes["qwen3_vl_4b"], _work(128, 13180, 13)
     z3 = Setup(zero_stage=3, checkpointing="all-but-3", fused_kernels=True)
@@ -316,4 +316,12 @@ def test_one_rank_zero3_without_parameter_offload_keeps_no_frozen_inputs(shapes,
     assert zero(1)["memory_efficient_linear"] is False
     assert "memory_efficient_linear" not in zero(2)  # DeepSpeed's default (on): parameters are released
     assert "memory_efficient_linear" not in zero(1, offload_params=True)
-    assert "memory_efficient_linear" not in zero(1, param_persistence_threshold=1e15)  # explicit: DeepSpeed decides
+    assert "memory_efficient_linear" not in zero(1, param_persistence_threshold=1e14)  # explicit: DeepSpeed decides
+    assert "memory_efficient_linear" not in zero(1, preset="video-ora-zero3")
+    # the planner plans the same rule: the preset's frozen inputs are counted
+    preset = dataclasses.replace(z3, own_zero3=False)
+    assert predict(s, work, preset).parts["kept_layers"] > predict(s, work, z2).parts["kept_layers"] + 1
+    from train.memplan import config_levers
+
+    assert config_levers({"preset": "video-ora-zero3"})["own_zero3"] is False
+    assert config_levers({"param_persistence_threshold": ONE_RANK_PERSISTENCE})["own_zero3"] is True  # run.json's

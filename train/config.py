@@ -506,6 +506,25 @@ def default_deepspeed_config(cfg: TrainConfig) -> dict:
     }
 
 
+def own_zero3_settings(cfg: dict) -> bool:
+    """Whether a config (vars(TrainConfig), or run.json's, where the threshold is the resolved one) leaves ZeRO-3's
+    persistence to train.main: no --preset, no --deepspeed file, no --param-persistence-threshold of its own."""
+    return (cfg.get("preset") is None and cfg.get("deepspeed") is None
+            and cfg.get("param_persistence_threshold") in (None, ONE_RANK_PERSISTENCE))
+
+
+def keeps_parameters_whole(*, world_size: int, offload_params: bool, own_zero3: bool) -> bool:
+    """ZeRO-3 keeps every parameter whole and DeepSpeed's memory-efficient linear is off: one rank, no parameter
+    offload, train.main's own settings. The rule resolve_deepspeed_config applies and train.memplan plans.
+
+    Why: one rank's partition is the whole parameter, so partitioning saves nothing and every gather is a copy plus
+    a wait on the compute stream; every parameter persistent keeps the frozen base resident (the same bytes) and
+    skips them. Nothing is ever released then, so the memory-efficient linear (a Python autograd Function around
+    every linear, there so a saved weight view cannot outlive a release) guards nothing; torch's own linear saves
+    a projection's input only when its weight trains, and launches from C++."""
+    return world_size == 1 and not offload_params and own_zero3
+
+
 def resolve_deepspeed_config(cfg: TrainConfig, world_size: int, total_steps: int) -> dict:
     """The DeepSpeed config as used: the file (or the default) with every "auto" filled from cfg.
 
@@ -535,15 +554,9 @@ def resolve_deepspeed_config(cfg: TrainConfig, world_size: int, total_steps: int
         ("scheduler", "params", "warmup_max_lr"): cfg.lr,
         ("scheduler", "params", "warmup_min_lr"): 0.0,
     }
-    if (cfg.deepspeed is None and cfg.preset is None and world_size == 1 and cfg.zero("zero_stage") == 3
-            and not cfg.offload_params and cfg.param_persistence_threshold is None):
-        # One rank: its partition is the whole parameter, so partitioning saves nothing and every gather is
-        # a copy plus a wait on the compute stream; every parameter persistent keeps the frozen base resident
-        # (the same bytes) and skips them. An explicit --param-persistence-threshold still decides.
+    if cfg.zero("zero_stage") == 3 and keeps_parameters_whole(world_size=world_size, offload_params=cfg.offload_params,
+                                                             own_zero3=own_zero3_settings(vars(cfg))):
         ds["zero_optimization"]["stage3_param_persistence_threshold"] = ONE_RANK_PERSISTENCE
-        # Nothing is ever released then, so DeepSpeed's memory-efficient linear (a Python autograd Function
-        # around every linear, there so a saved weight view cannot outlive a release) guards nothing; torch's
-        # own linear saves a projection's input only when its weight trains, and launches from C++.
         ds["zero_optimization"]["memory_efficient_linear"] = False
     for keys, value in fills.items():
         node = ds

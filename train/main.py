@@ -254,9 +254,9 @@ class Recipe:
             raise ConfigError(f"optimizer offload needs DeepSpeed's CPU Adam op, and its build directory holds a lock "
                               f"older than {STALE_BUILD_LOCK_S // 60} minutes ({lock}): a build was killed mid-way and "
                               "torch would wait on it forever; delete that file and run again")
-        if cfg.offload_optimizer and not (op_build_dir() / "cpu_adam.so").is_file():
-            self.log.say(f"optimizer offload: DeepSpeed's CPU Adam op is not built in {op_build_dir()} yet; unless "
-                         "DeepSpeed was installed with it prebuilt, it compiles at engine init (about a minute, once)")
+        if cfg.offload_optimizer and (ops := op_build_dir()) is not None and not (ops / "cpu_adam.so").is_file():
+            self.log.say(f"optimizer offload: DeepSpeed's CPU Adam op is not built in {ops} yet; unless DeepSpeed "
+                         "was installed with it prebuilt, it compiles at engine init (about a minute, once)")
         if cfg.compile and self.zero_stage == 3:
             raise ConfigError("--compile with ZeRO-3: DeepSpeed's parameter hooks run inside each layer's call and "
                               "would be traced; use --zero-stage 2 (or 0/1)")

@@ -107,6 +107,7 @@ class Setup:
     keeps_outputs: bool = False  # the caller holds the model outputs (logits) through backward
     fused_kernels: bool = False  # liger's RMSNorm / SwiGLU (train/kernels.py): bf16 norm inputs, no MLP act copy
     linear_attention: str = "torch"  # Qwen3.5's gated-delta-rule kernel: fla | torch (what it saves differs)
+    own_zero3: bool = True  # ZeRO-3's persistence left to train.main (train.config.own_zero3_settings)
     exact: bool = True  # computes the same loss as the reference (a quantized base does not)
 
     def name(self) -> str:
@@ -227,9 +228,11 @@ def predict(shape: ModelShape, work: Workload, setup: Setup, *, world: int = 1, 
 
     spec = Checkpointing.parse(setup.checkpointing)
     ckpt = set(spec.layers(len(shape.layers)))
-    # one rank without parameter offload keeps every parameter whole, and train.config then turns DeepSpeed's
-    # memory-efficient linear off (nothing is released, so torch's linear is safe): frozen inputs go
-    zero3_linear = stage == 3 and (world > 1 or setup.offload_params)
+    from train.config import keeps_parameters_whole
+
+    # where ZeRO-3 keeps every parameter whole, DeepSpeed's memory-efficient linear is off: frozen inputs go
+    zero3_linear = stage == 3 and not keeps_parameters_whole(world_size=world, offload_params=setup.offload_params,
+                                                             own_zero3=setup.own_zero3)
     per_layer = [layer_bytes_per_token(layer, shape, lora_dropout=setup.lora_dropout and setup.finetune == "lora",
                                        fused=setup.fused_kernels, linear_kernel=setup.linear_attention,
                                        zero3=zero3_linear, act=act) for layer in shape.layers]
@@ -269,12 +272,12 @@ def candidates(*, world: int, loss: str = "chunked", finetune: str = "lora", lor
                vision_chunk_frames: int = 64, quantize_base: str | None = None, zero_stage: int | None = None,
                checkpointing: str | None = None, offload_optimizer: bool = False,
                offload_params: bool = False, fused_kernels: bool = False,
-               linear_attention: str = "torch", keep_attention: bool = False) -> list[Setup]:
+               linear_attention: str = "torch", keep_attention: bool = False, own_zero3: bool = True) -> list[Setup]:
     """Configurations fastest first. Fixed choices (a given stage or checkpointing) narrow the list; a
     quantized base is included only when asked for (it changes the model, so auto never picks it alone)."""
     common = dict(loss=loss, finetune=finetune, lora_r=lora_r, lora_dropout=lora_dropout,
                   vision_chunk_frames=vision_chunk_frames, fused_kernels=fused_kernels,
-                  linear_attention=linear_attention)
+                  linear_attention=linear_attention, own_zero3=own_zero3)
     order: list[dict] = [dict(zero_stage=2, checkpointing="none"),
                          dict(zero_stage=2, checkpointing="all"), dict(zero_stage=3, checkpointing="all"),
                          dict(zero_stage=3, checkpointing="all", offload_optimizer=True),
@@ -500,8 +503,10 @@ def config_levers(cfg: dict) -> dict:
     """The Setup fields a train.main config (its dict: run.json's or a TrainConfig's) decides beyond stage,
     checkpointing and offload. Qwen3.5's kernel is decided before planning (train.main routes it first); an
     undecided "auto" plans for the torch fallback, which keeps more."""
+    from train.config import own_zero3_settings
+
     return {"linear_attention": "fla" if cfg.get("linear_attention") == "fla" else "torch",
-            "keep_attention": cfg.get("recompute_attention") is False}
+            "keep_attention": cfg.get("recompute_attention") is False, "own_zero3": own_zero3_settings(cfg)}
 
 
 def auto_config(cfg, shape: ModelShape, work: Workload, *, world: int, gpu_mem_gib: float):
