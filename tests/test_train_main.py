@@ -415,3 +415,25 @@ def test_a_killed_cpu_adam_build_fails_the_run_in_seconds_instead_of_waiting_for
     assert proc.returncode == 2, explain(proc)
     assert str(lock) in proc.stderr and "delete that file" in proc.stderr, explain(proc)
     assert not any(e["event"] == "load_start" for e in events(tmp_path / "run", 0))
+
+
+def test_one_rank_zero3_levers_keep_the_numbers_of_deepspeeds_own_path(cache, one, tmp_path):
+    """One rank, every parameter whole: torch's linear instead of DeepSpeed's memory-efficient one, and the frozen
+    base kept resident between steps (only the trainable parameters released and gathered back). An explicit
+    persistence threshold above every parameter keeps both of DeepSpeed's own ways: the losses and gradient norms
+    must be the same, and the LoRA weights must still train (the gathered-back updates reach the model)."""
+    common = ("--model-family", "qwen3_vl", "--zero-stage", "3", "--epochs", "4", "--lr", "3e-3", "--lora-dropout", "0",
+              "--warmup-steps", "0", "--num-workers", "0")
+    runs = {}
+    for name, extra in (("levers", ()), ("deepspeed", ("--param-persistence-threshold", "1e14"))):
+        run = tmp_path / name
+        proc = launch(_args(one, run, cache, *common, *extra), nproc=0)
+        assert proc.returncode == 0, explain(proc)
+        runs[name] = run
+    levers, deepspeed = (list(steps(runs[n], 0).values()) for n in ("levers", "deepspeed"))
+    assert [e["replaced"] for e in events(runs["levers"], 0, "frozen_kept_resident")] == [True]
+    assert events(runs["deepspeed"], 0, "frozen_kept_resident") == []
+    for a, b in zip(levers, deepspeed, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-3) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-2)
+    losses = [s["loss"] for s in levers]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses  # the updates reached the model

@@ -46,7 +46,9 @@ from train.checkpoint import (
 from train.config import (
     ConfigError,
     TrainConfig,
+    keeps_parameters_whole,
     lr_factor,
+    own_zero3_settings,
     parse_config,
     resolve_deepspeed_config,
     resolved,
@@ -99,6 +101,7 @@ from train.run_record import build_run_record, update_run_record, write_json
 from train.zero import (
     STALE_BUILD_LOCK_S,
     fuse_gradient_checks,
+    keep_frozen_resident,
     mark_leaf_layers,
     op_build_dir,
     sharding_report,
@@ -523,6 +526,9 @@ class Recipe:
                                                            for p in engine.module.parameters() if p.requires_grad}))
         if cfg.fused_grad_checks:
             self.log.event("fused_grad_checks", replaced=fuse_gradient_checks(engine.optimizer))
+        if self.zero_stage == 3 and keeps_parameters_whole(world_size=self.world_size, offload_params=cfg.offload_params,
+                                                           own_zero3=own_zero3_settings(vars(cfg))):
+            self.log.event("frozen_kept_resident", replaced=keep_frozen_resident(engine.optimizer))
         self.log.event("one_rank_allreduce_skipped", skipped=skip_one_rank_allreduce(engine, self.world_size))
         if engine.zero_optimization_stage() != self.zero_stage:
             raise RuntimeError(f"DeepSpeed runs ZeRO stage {engine.zero_optimization_stage()}, the resolved config "
