@@ -77,8 +77,8 @@ LEGS: dict[str, tuple[str, ...]] = {
     "auto-keep-attention": ("--no-recompute-attention",),
     "auto-recompute-attention": ("--recompute-attention",),  # what auto picked before it could keep them
     "auto-liger-kernels": ("--liger-kernels",),  # = auto since 3c12321 (liger on by default for Qwen3.5 too)
-    # one rank, every parameter whole, with DeepSpeed's memory-efficient linear (what ZeRO-3 ran before train.config
-    # turned it off there; an explicit threshold leaves DeepSpeed's default)
+    # one rank, every parameter whole, DeepSpeed's own way: its memory-efficient linear and its release of every
+    # parameter around each step (an explicit threshold leaves both; train.config.keeps_parameters_whole)
     "zero3-ds-linear": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--param-persistence-threshold", "1e14"),
     "zero2-profile": ("--zero-stage", "2", "--gradient-checkpointing", "all", "--liger-kernels", "--profile-steps", "2"),
     "zero3-no-fused-grad-checks": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--no-fused-grad-checks"),
