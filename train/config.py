@@ -514,8 +514,9 @@ def own_zero3_settings(cfg: dict) -> bool:
 
 
 def keeps_parameters_whole(*, world_size: int, offload_params: bool, own_zero3: bool) -> bool:
-    """ZeRO-3 keeps every parameter whole and DeepSpeed's memory-efficient linear is off: one rank, no parameter
-    offload, train.main's own settings. The rule resolve_deepspeed_config applies and train.memplan plans.
+    """ZeRO-3 keeps every parameter whole, DeepSpeed's memory-efficient linear is off and the step leaves the frozen
+    base resident (train.zero.keep_frozen_resident): one rank, no parameter offload, train.main's own settings.
+    The rule resolve_deepspeed_config and train.main apply and train.memplan plans.
 
     Why: one rank's partition is the whole parameter, so partitioning saves nothing and every gather is a copy plus
     a wait on the compute stream; every parameter persistent keeps the frozen base resident (the same bytes) and
