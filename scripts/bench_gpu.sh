@@ -17,6 +17,13 @@
 #   export TRITON_PTXAS_PATH=$(PYTHONPATH= python -c "import triton, os; print(os.path.dirname(triton.__file__))")/backends/nvidia/bin/ptxas
 # Each leg that needs a missing optional kernel (flash-attn, bitsandbytes, fla) records the refusal and the
 # bench goes on.
+# Packaging that fit (session 10): the training packages unpacked into one directory and carried as an xz tarball
+# (`tar cf - -C SITE . | xz -9 -T2`, ~40 MiB with transformers, liger-kernel, deepspeed, av, decord, hjson; pydantic
+# and its four dependencies as loose wheels), Triton 3.7.1 + fla stripped as above in a second one (~36 MiB). The
+# two do not fit one 64 MiB call: carry the first, then chain a second call within the machine's 30 s warm window
+# carrying the second (/tmp and the WORK models survive on the warm machine):
+#   mkdir -p /tmp/site && tar xJf .whl_train/site.tar.xz -C /tmp/site && python3 -m pip install -q --no-index \
+#     --no-deps --no-compile --target /tmp/site2 .whl_train/*.whl && export PYTHONPATH=/tmp/site:/tmp/site2
 #
 # What comes back (the device returns at most 8 files): env.txt, plan_predictions.txt, bench.log,
 # results.md, results.json, legs.tgz (every leg's log, run.json, plan.json, memory plan, step logs, profile op
