@@ -56,6 +56,7 @@ import json
 from typing import Sequence
 
 from train.activations import Checkpointing
+from train.config import keeps_parameters_whole, own_zero3_settings
 from train.flops import layer_forward_flops
 from train.shapes import LayerShape, ModelShape
 
@@ -228,8 +229,6 @@ def predict(shape: ModelShape, work: Workload, setup: Setup, *, world: int = 1, 
 
     spec = Checkpointing.parse(setup.checkpointing)
     ckpt = set(spec.layers(len(shape.layers)))
-    from train.config import keeps_parameters_whole
-
     # where ZeRO-3 keeps every parameter whole, DeepSpeed's memory-efficient linear is off: frozen inputs go
     zero3_linear = stage == 3 and not keeps_parameters_whole(world_size=world, offload_params=setup.offload_params,
                                                              own_zero3=setup.own_zero3)
@@ -503,8 +502,6 @@ def config_levers(cfg: dict) -> dict:
     """The Setup fields a train.main config (its dict: run.json's or a TrainConfig's) decides beyond stage,
     checkpointing and offload. Qwen3.5's kernel is decided before planning (train.main routes it first); an
     undecided "auto" plans for the torch fallback, which keeps more."""
-    from train.config import own_zero3_settings
-
     return {"linear_attention": "fla" if cfg.get("linear_attention") == "fla" else "torch",
             "keep_attention": cfg.get("recompute_attention") is False, "own_zero3": own_zero3_settings(cfg)}
 
