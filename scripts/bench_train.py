@@ -81,6 +81,8 @@ LEGS: dict[str, tuple[str, ...]] = {
     # parameter around each step (an explicit threshold leaves both; train.config.keeps_parameters_whole)
     "zero3-ds-linear": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--param-persistence-threshold", "1e14"),
     "zero2-profile": ("--zero-stage", "2", "--gradient-checkpointing", "all", "--liger-kernels", "--profile-steps", "2"),
+    # LoRA dropout's output and mask kept per projection, PEFT's own way (train/lora_dropout.py)
+    "auto-no-recompute-lora-dropout": ("--no-recompute-lora-dropout",),
     "zero3-no-fused-grad-checks": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--no-fused-grad-checks"),
     # ZeRO-3 on one rank with every parameter whole: nothing to prefetch, so the prefetch bookkeeping off
     "zero3-no-prefetch": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--prefetch-bucket-size", "1"),
@@ -139,6 +141,7 @@ def issue9_matrix() -> list[Leg]:
              Leg(config="auto-keep-attention", frames=1024, steps=3)]  # 39-41
     legs += [Leg(config="auto-recompute-attention", frames=512), Leg(config="zero3-no-fused-grad-checks")]  # 42-43
     legs += [Leg(config="zero3-ds-linear"), Leg(config="zero2-profile")]  # 44-45
+    legs += [Leg(config="auto-no-recompute-lora-dropout", frames=f) for f in (64, 512)]  # 46-47
     return legs
 
 

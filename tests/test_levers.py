@@ -28,8 +28,8 @@ def _batch(model_dir: Path, shards: Path, ids: list[str]) -> dict[str, torch.Ten
     return tensors
 
 
-def _lora(model_dir: Path, *, seed: int = 0, attn: str = "sdpa", checkpointing: bool = True):
-    """The trainer's LoRA setup in miniature: frozen base, checkpointing, LoRA (no dropout) on the LLM."""
+def _lora(model_dir: Path, *, seed: int = 0, attn: str = "sdpa", checkpointing: bool = True, dropout: float = 0.0):
+    """The trainer's LoRA setup in miniature: frozen base, checkpointing, LoRA (no dropout unless asked) on the LLM."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForImageTextToText
 
@@ -43,7 +43,7 @@ def _lora(model_dir: Path, *, seed: int = 0, attn: str = "sdpa", checkpointing: 
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
     torch.manual_seed(seed)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=DEFAULT_LORA_TARGETS))
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=DEFAULT_LORA_TARGETS))
     with torch.no_grad():  # lora_B starts at zero: give it values so every gradient path is exercised
         for n, p in model.named_parameters():
             if "lora_B" in n:
@@ -599,3 +599,48 @@ def test_liger_kernels_default_covers_qwen3_5_only_where_its_entry_point_imports
     fake_liger(False)  # a liger older than 0.8.0: Qwen3.5 stays off, Qwen3-VL on
     assert not liger_kernels_default("qwen3_5", compile=False, device_type="cuda")
     assert liger_kernels_default("qwen3_vl", compile=False, device_type="cuda")
+
+
+def _saved_activation_bytes(model, batch, spec: LossSpec) -> int:
+    """Bytes of the distinct storages autograd keeps for backward over one forward, parameters aside."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+    keep: list[torch.Tensor] = []  # held, so no storage is freed and its address reused mid-forward
+
+    def pack(t):
+        keep.append(t)
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        causal_lm_loss(model, batch, spec)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_recomputed_lora_dropout_draws_peft_masks_and_keeps_only_the_inputs(tiny_cache, built_shards, checkpointing):
+    """--recompute-lora-dropout: the same loss and gradients as PEFT's branch with the same dropout seed (a
+    different seed moves them, so the masks really matter here), and autograd keeps what LoRA without dropout
+    keeps instead of one dropout output and mask per projection."""
+    from train.lora_dropout import recompute_lora_dropout
+
+    model_dir = tiny_cache / "tiny_qwen3_vl"
+    batch = _batch(model_dir, built_shards, TWO)
+    spec = LossSpec(impl="chunked", vision_no_grad=True)
+    peft = _lora(model_dir, checkpointing=checkpointing, dropout=0.3)
+    lever = _lora(model_dir, checkpointing=checkpointing, dropout=0.3)
+    n = recompute_lora_dropout(lever)
+    assert n == sum(1 for name, _ in peft.named_modules() if name.endswith(".lora_A")) > 0
+    runs = {}
+    for name, model, seed in (("peft", peft, 5), ("lever", lever, 5), ("other_seed", lever, 6)):
+        torch.manual_seed(seed)
+        runs[name] = _loss_and_grads(model, batch, spec)
+    _assert_same(runs["lever"], runs["peft"], rel=1e-5)
+    moved = max(((runs["other_seed"][1][k] - g).abs().max() / g.abs().max()).item() for k, g in runs["peft"][1].items())
+    assert moved > 1e-2, moved
+    if not checkpointing:
+        no_dropout = _saved_activation_bytes(_lora(model_dir, checkpointing=False), batch, spec)
+        kept = {name: _saved_activation_bytes(m, batch, spec) for name, m in (("peft", peft), ("lever", lever))}
+        assert kept["lever"] <= 1.01 * no_dropout < kept["peft"], (kept, no_dropout)

@@ -437,3 +437,22 @@ def test_one_rank_zero3_levers_keep_the_numbers_of_deepspeeds_own_path(cache, on
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-3) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-2)
     losses = [s["loss"] for s in levers]
     assert len(losses) == 4 and losses[-1] < losses[0], losses  # the updates reached the model
+
+
+def test_recomputed_lora_dropout_trains_like_peft_dropout_below_zero3(cache, one, tmp_path):
+    """Below ZeRO-3 train.main routes LoRA through train/lora_dropout.py by default; the run's losses and gradient
+    norms equal PEFT's own dropout path (--no-recompute-lora-dropout) step for step, with dropout on."""
+    common = ("--model-family", "qwen3_vl", "--zero-stage", "0", "--dtype", "fp32", "--epochs", "3", "--lr", "3e-3",
+              "--lora-dropout", "0.3", "--warmup-steps", "0", "--num-workers", "0")
+    runs = {}
+    for name, extra in (("lever", ()), ("peft", ("--no-recompute-lora-dropout",))):
+        run = tmp_path / name
+        proc = launch(_args(one, run, cache, *common, *extra), nproc=0)
+        assert proc.returncode == 0, explain(proc)
+        runs[name] = run
+    assert [e["modules"] for e in events(runs["lever"], 0, "lora_dropout_recomputed")] == [14]
+    assert events(runs["peft"], 0, "lora_dropout_recomputed") == []
+    lever, peft = (list(steps(runs[n], 0).values()) for n in ("lever", "peft"))
+    assert len(lever) == len(peft) == 3
+    for a, b in zip(lever, peft):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)

@@ -58,6 +58,7 @@ from typing import Sequence
 from train.activations import Checkpointing
 from train.config import keeps_parameters_whole, own_zero3_settings
 from train.flops import layer_forward_flops
+from train.lora_dropout import applies as lora_dropout_recomputed
 from train.shapes import LayerShape, ModelShape
 
 GIB = 2**30
@@ -105,6 +106,7 @@ class Setup:
     finetune: str = "lora"
     lora_r: int = 8
     lora_dropout: bool = True  # dropout > 0 saves a copy of each LoRA input
+    recompute_lora_dropout: bool = True  # ... unless it is drawn again in backward (train/lora_dropout.py)
     keeps_outputs: bool = False  # the caller holds the model outputs (logits) through backward
     fused_kernels: bool = False  # liger's RMSNorm / SwiGLU (train/kernels.py): bf16 norm inputs, no MLP act copy
     linear_attention: str = "torch"  # Qwen3.5's gated-delta-rule kernel: fla | torch (what it saves differs)
@@ -232,7 +234,11 @@ def predict(shape: ModelShape, work: Workload, setup: Setup, *, world: int = 1, 
     # where ZeRO-3 keeps every parameter whole, DeepSpeed's memory-efficient linear is off: frozen inputs go
     zero3_linear = stage == 3 and not keeps_parameters_whole(world_size=world, offload_params=setup.offload_params,
                                                              own_zero3=setup.own_zero3)
-    per_layer = [layer_bytes_per_token(layer, shape, lora_dropout=setup.lora_dropout and setup.finetune == "lora",
+    # LoRA dropout drawn again in backward keeps what LoRA without dropout keeps
+    dropout_kept = setup.lora_dropout and setup.finetune == "lora" and not lora_dropout_recomputed(
+        lora=True, lora_dropout=1.0, zero_stage=stage, quantized=bool(setup.quantize_base),
+        enabled=setup.recompute_lora_dropout)
+    per_layer = [layer_bytes_per_token(layer, shape, lora_dropout=dropout_kept,
                                        fused=setup.fused_kernels, linear_kernel=setup.linear_attention,
                                        zero3=zero3_linear, act=act) for layer in shape.layers]
     boundaries = len(ckpt) * T * shape.hidden * act  # also with offload_activations: measured (module docstring)
@@ -271,12 +277,13 @@ def candidates(*, world: int, loss: str = "chunked", finetune: str = "lora", lor
                vision_chunk_frames: int = 64, quantize_base: str | None = None, zero_stage: int | None = None,
                checkpointing: str | None = None, offload_optimizer: bool = False,
                offload_params: bool = False, fused_kernels: bool = False,
-               linear_attention: str = "torch", keep_attention: bool = False, own_zero3: bool = True) -> list[Setup]:
+               linear_attention: str = "torch", keep_attention: bool = False, own_zero3: bool = True,
+               recompute_lora_dropout: bool = True) -> list[Setup]:
     """Configurations fastest first. Fixed choices (a given stage or checkpointing) narrow the list; a
     quantized base is included only when asked for (it changes the model, so auto never picks it alone)."""
     common = dict(loss=loss, finetune=finetune, lora_r=lora_r, lora_dropout=lora_dropout,
                   vision_chunk_frames=vision_chunk_frames, fused_kernels=fused_kernels,
-                  linear_attention=linear_attention, own_zero3=own_zero3)
+                  linear_attention=linear_attention, own_zero3=own_zero3, recompute_lora_dropout=recompute_lora_dropout)
     order: list[dict] = [dict(zero_stage=2, checkpointing="none"),
                          dict(zero_stage=2, checkpointing="all"), dict(zero_stage=3, checkpointing="all"),
                          dict(zero_stage=3, checkpointing="all", offload_optimizer=True),
@@ -503,7 +510,8 @@ def config_levers(cfg: dict) -> dict:
     checkpointing and offload. Qwen3.5's kernel is decided before planning (train.main routes it first); an
     undecided "auto" plans for the torch fallback, which keeps more."""
     return {"linear_attention": "fla" if cfg.get("linear_attention") == "fla" else "torch",
-            "keep_attention": cfg.get("recompute_attention") is False, "own_zero3": own_zero3_settings(cfg)}
+            "keep_attention": cfg.get("recompute_attention") is False, "own_zero3": own_zero3_settings(cfg),
+            "recompute_lora_dropout": cfg.get("recompute_lora_dropout", True)}
 
 
 def auto_config(cfg, shape: ModelShape, work: Workload, *, world: int, gpu_mem_gib: float):
