@@ -33,6 +33,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -434,6 +435,7 @@ def run_leg(leg: Leg, *, out: Path, nproc: int, steps: int, timeout: float, peak
         longest = max(r.input_tokens for r in read_records(shards / "manifest.parquet", SampleRecord))
         flags = [f.replace("{pack_budget}", str(2 * longest)) for f in flags]
     run = work / "runs" / leg.name
+    shutil.rmtree(run, ignore_errors=True)  # a leg run again (a later call on a warm machine) starts clean
     cmd = train_command(flags=flags, shards=shards, run=run, model=model, steps=steps, nproc=nproc, cap_gib=leg.cap_gib)
     rc, wall = run_logged(cmd, out / f"{leg.name}.log", timeout)
     return {"rc": rc, "wall_s": wall, "flags": flags, **run_stats(run, model=model, peak_tflops=peak_tflops)}

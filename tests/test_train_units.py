@@ -31,6 +31,21 @@ def test_config_reports_every_problem_at_once(tmp_path):
         assert part in msg, msg
 
 
+def test_an_output_dir_holding_an_earlier_run_is_refused_unless_resumed(built_shards, tmp_path):
+    """A second run into the same --output-dir would append to the first one's ledger and fail the coverage
+    check after all its training (seen on the H200 when a bench leg ran twice): refused before anything runs."""
+    run = tmp_path / "run"
+    args = ["--shards", str(built_shards), "--output-dir", str(run)]
+    parse_config(args)  # a new directory
+    (run / "ledger").mkdir(parents=True)
+    parse_config(args)  # an empty ledger/: nothing trained yet
+    (run / "ledger" / "rank0.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match=f"--output-dir {run}: holds an earlier run.*--resume {run}"):
+        parse_config(args)
+    (run / "checkpoints").mkdir()
+    parse_config(args + ["--resume", str(run)])  # continuing it is what --resume is for
+
+
 def test_config_help_explains_flags(capsys):
     with pytest.raises(SystemExit):
         parse_config(["--help"])

@@ -202,6 +202,10 @@ class TrainConfig:
                     p.append(f"--deepspeed {self.deepspeed}: not valid JSON ({e})")
         if self.resume is not None and not (self.resume / "checkpoints").is_dir():
             p.append(f"--resume {self.resume}: no checkpoints/ directory (was it run with --save-every?)")
+        if self.resume is None and any((self.output_dir / "ledger").glob("rank*.jsonl")):
+            # a second run would append to its ledger and fail the coverage check after all its training
+            p.append(f"--output-dir {self.output_dir}: holds an earlier run (ledger/); pass --resume {self.output_dir} "
+                     "to continue it, or choose a new --output-dir")
         if self.dtype not in DTYPES:
             p.append(f"--dtype {self.dtype!r}: choose one of {'|'.join(DTYPES)}")
         p += self.lever_problems()
