@@ -499,6 +499,15 @@ def streams(path: str, counts: list[int]) -> dict:
     return out
 
 
+def warm_encoder(device: str) -> None:
+    """The device context and the JPEG encoder started, so a stream's decode is timed without them."""
+    import torch
+
+    from prep import gpu
+
+    gpu.encode_jpegs(torch.zeros(1, 3, 16, 16, dtype=torch.uint8, device=device), 95)  # (n, 3, h, w), as the build
+
+
 def stream_one(path: str, barrier) -> dict:
     """One stream of `streams`, in its own fresh process: start-up timed apart from the decode."""
     t0 = time.perf_counter()
@@ -507,8 +516,7 @@ def stream_one(path: str, barrier) -> dict:
     from prep import gpu
 
     nvc = gpu.nvc()
-    torch.zeros(1, device="cuda")
-    gpu.encode_jpegs(torch.zeros(1, 16, 16, 3, dtype=torch.uint8, device="cuda"), 95)
+    warm_encoder("cuda")
 
     def decode(limit: int | None) -> int:
         demuxer = nvc.CreateDemuxer(filename=path)

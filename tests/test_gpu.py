@@ -275,3 +275,6 @@ def test_the_probes_streams_stage_reports_the_aggregate_rate_over_the_common_wal
     assert t["startup_s_median"] == 4.0 and t["startup_s_max"] == 5.0 and t["streams"] == 4
     text = probe.table({"streams": {"clip": "a.mp4", "runs": {"4": t}}})
     assert "| 4 | 4.0 / 5.0 | 3600.0 |" in text, text
+    # each stream's warm-up hands the encoder the build's frame layout (session 11's H200 run failed on a
+    # channels-last warm-up frame before any stream decoded)
+    probe.warm_encoder("cpu")

@@ -28,35 +28,38 @@ def applies(*, lora: bool, lora_dropout: float, zero_stage: int, quantized: bool
     return enabled and lora and lora_dropout > 0 and not quantized and zero_stage < 3
 
 
-def _rng_state(device: torch.device) -> torch.Tensor:
-    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+def _generator(device: torch.device) -> torch.Generator:
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
 
 
 class _DropoutThenA(torch.autograd.Function):
-    """h = dropout(x) @ A^T that keeps x and the RNG state, not dropout's output and mask."""
+    """h = dropout(x) @ A^T that keeps x and the RNG state, not dropout's output and mask. native_dropout is what
+    F.dropout runs on CUDA (and draws the same mask on CPU: the test compares with PEFT's nn.Dropout); backward
+    calls it again from the saved state and its own backward kernel, with no nested autograd pass (the host
+    time of this backward is on the step's critical path: 252 calls a step on the 4B)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, p: float) -> torch.Tensor:
-        ctx.rng, ctx.p = _rng_state(x.device), p
+        ctx.rng, ctx.p = _generator(x.device).get_state(), p
         ctx.save_for_backward(x, weight)
-        return F.linear(F.dropout(x, p, True), weight)
+        dropped, _ = torch.native_dropout(x, p, True)
+        return F.linear(dropped, weight)
 
     @staticmethod
     def backward(ctx, grad_h: torch.Tensor):
         x, weight = ctx.saved_tensors
-        devices = [x.device] if x.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, device_type=x.device.type), torch.enable_grad():
-            if devices:
-                torch.cuda.set_rng_state(ctx.rng, x.device)
-            else:
-                torch.set_rng_state(ctx.rng)
-            x_in = x.detach().requires_grad_(ctx.needs_input_grad[0])
-            dropped = F.dropout(x_in, ctx.p, True)  # the forward's mask, drawn again
+        gen = _generator(x.device)
+        now = gen.get_state()
+        gen.set_state(ctx.rng)
+        dropped, mask = torch.native_dropout(x, ctx.p, True)  # the forward's mask, drawn again
+        gen.set_state(now)
         grad_x = grad_w = None
         if ctx.needs_input_grad[1]:
-            grad_w = grad_h.reshape(-1, grad_h.shape[-1]).t() @ dropped.detach().reshape(-1, x.shape[-1])
+            grad_w = grad_h.reshape(-1, grad_h.shape[-1]).t() @ dropped.reshape(-1, x.shape[-1])
         if ctx.needs_input_grad[0]:
-            (grad_x,) = torch.autograd.grad(dropped, x_in, grad_h @ weight)
+            grad_x = torch.ops.aten.native_dropout_backward(grad_h @ weight, mask, 1.0 / (1.0 - ctx.p))
         return grad_x, grad_w, None
 
 
