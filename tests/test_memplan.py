@@ -74,6 +74,21 @@ MEASURED = [
     ("qwen3_vl_4b", 512, 52697, 14, dict(zero_stage=2, checkpointing="all-but-12", fused_kernels=True,
                                          keep_attention=True), 1, 124.73, None, "H200 session 7"),
     ("qwen3_5_9b", 64, 6619, 12, dict(zero_stage=2, checkpointing="none"), 1, 118.71, None, "H200 session 7"),
+    # session 11, one H200 (BENCHMARKS.md "One H200, session 11"): LoRA dropout drawn again in backward below ZeRO-3
+    ("qwen3_vl_4b", 64, 6619, 12, dict(zero_stage=2, checkpointing="none", fused_kernels=True,
+                                       recompute_lora_dropout=True), 1, 33.62, None, "H200 session 11"),
+    ("qwen3_vl_4b", 64, 6619, 12, dict(zero_stage=2, checkpointing="all", fused_kernels=True,
+                                       recompute_lora_dropout=True), 1, 10.90, None, "H200 session 11"),
+    ("qwen3_vl_4b", 512, 52697, 14, dict(zero_stage=2, checkpointing="all-but-19", fused_kernels=True, keep_attention=True,
+                                         recompute_lora_dropout=True), 1, 128.07, None, "H200 session 11"),
+    ("qwen3_vl_8b", 64, 6619, 12, dict(zero_stage=2, checkpointing="none", fused_kernels=True,
+                                       recompute_lora_dropout=True), 1, 48.16, None, "H200 session 11"),
+    ("qwen3_5_9b", 64, 6619, 12, dict(zero_stage=2, checkpointing="none", fused_kernels=True, linear_attention="fla",
+                                      recompute_lora_dropout=True), 1, 59.92, None, "H200 session 11"),
+    ("qwen3_vl_4b", 64, 6619, 12, dict(zero_stage=3, checkpointing="all", fused_kernels=True), 1, 11.03, None,
+     "H200 session 11"),  # adapters in bf16 since f5cc438
+    ("qwen3_vl_4b", 256, 26328, 13, dict(zero_stage=3, checkpointing="all", fused_kernels=True, offload_optimizer=True,
+                                         offload_params=True), 1, 10.345, None, "H200 session 11"),  # 12 GiB cap
 ]
 
 
