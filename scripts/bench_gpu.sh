@@ -23,7 +23,11 @@
 # two do not fit one 64 MiB call: carry the first, then chain a second call within the machine's 30 s warm window
 # carrying the second (/tmp and the WORK models survive on the warm machine):
 #   mkdir -p /tmp/site && tar xJf .whl_train/site.tar.xz -C /tmp/site && python3 -m pip install -q --no-index \
-#     --no-deps --no-compile --target /tmp/site2 .whl_train/*.whl && export PYTHONPATH=/tmp/site:/tmp/site2
+#     --no-deps --no-compile --target /tmp/site2 .whl_train/*.whl && export PYTHONPATH=/tmp/site:/tmp/site2 \
+#     PATH=/tmp/site/bin:$PATH
+# (/tmp/site/bin holds the ninja wheel's binary: DeepSpeed's CPU Adam op, which the 12 GiB legs' optimizer offload
+# needs, compiles with it; session 11's 256-frame 12 GiB leg ran with it there, sessions 8 and 10's never started.)
+# Chained calls on the warm machine skip the unpacking: re-export PYTHONPATH and PATH and carry only what is new.
 #
 # What comes back (the device returns at most 8 files): env.txt, plan_predictions.txt, bench.log,
 # results.md, results.json, legs.tgz (every leg's log, run.json, plan.json, memory plan, step logs, profile op
