@@ -26,7 +26,8 @@
 #     --no-deps --no-compile --target /tmp/site2 .whl_train/*.whl && export PYTHONPATH=/tmp/site:/tmp/site2 \
 #     PATH=/tmp/site/bin:$PATH
 # (/tmp/site/bin holds the ninja wheel's binary: DeepSpeed's CPU Adam op, which the 12 GiB legs' optimizer offload
-# needs, compiles with it; session 11's 256-frame 12 GiB leg ran with it there, sessions 8 and 10's never started.)
+# needs, compiles with it; session 11's 256-frame 12 GiB leg ran with it there; session 10's two tries sat in
+# deepspeed.initialize, and whether ninja was missing then is not known.)
 # Chained calls on the warm machine skip the unpacking: re-export PYTHONPATH and PATH and carry only what is new.
 #
 # What comes back (the device returns at most 8 files): env.txt, plan_predictions.txt, bench.log,
