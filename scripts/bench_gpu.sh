@@ -18,7 +18,8 @@
 # Each leg that needs a missing optional kernel (flash-attn, bitsandbytes, fla) records the refusal and the
 # bench goes on.
 # Packaging that fit (session 10): the training packages unpacked into one directory and carried as an xz tarball
-# (`tar cf - -C SITE . | xz -9 -T2`, ~40 MiB with transformers, liger-kernel, deepspeed, av, decord, hjson; pydantic
+# (`tar cf - -C SITE . | xz -9 -T2`, ~42 MiB with transformers, liger-kernel, deepspeed and its ninja, msgpack,
+# py-cpuinfo and einops, av, decord, hjson; pydantic
 # and its four dependencies as loose wheels), Triton 3.7.1 + fla stripped as above in a second one (~36 MiB). The
 # two do not fit one 64 MiB call: carry the first, then chain a second call within the machine's 30 s warm window
 # carrying the second (/tmp and the WORK models survive on the warm machine):
