@@ -158,6 +158,9 @@ def test_the_parts_follow_the_configuration(shapes):
     z3_kept = [predict(s, w, Setup(zero_stage=3, checkpointing="none", recompute_lora_dropout=r)).parts["kept_layers"]
                for r in (True, False)]
     assert z3_kept[0] == z3_kept[1]
+    from train.memplan import config_levers  # train.main's rule: off with --compile (dynamo breaks on its RNG state)
+    assert [config_levers(c)["recompute_lora_dropout"] for c in ({}, {"compile": True}, {"recompute_lora_dropout": False})] \
+        == [True, False, False]
     assert z3[0] > z3[1] > z3[2] and z3[1] - z3[2] == pytest.approx((z3[0] - z3[1]) / 2)
 
 

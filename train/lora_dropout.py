@@ -12,7 +12,8 @@ B product is one addmm (no separate multiply and add over [tokens, out]).
 It replaces the forward of PEFT's plain `lora.Linear` only (one active adapter, no DoRA or other variant,
 dropout > 0, training); any other case runs PEFT's own forward. The branch reads lora_A / lora_B's weights
 without calling those modules, which ZeRO-3 needs to gather a partitioned weight, so it applies only below
-ZeRO-3 (`applies`, the one rule the trainer and the memory planner follow).
+ZeRO-3 (`applies`, the one rule the trainer and the memory planner follow), and not with --compile
+(`switched_on`): dynamo cannot trace the generator state it saves, so every projection would break the graph.
 """
 from __future__ import annotations
 
@@ -20,6 +21,11 @@ import types
 
 import torch
 import torch.nn.functional as F
+
+
+def switched_on(cfg: dict) -> bool:
+    """The switch as a run's config (a TrainConfig's vars or run.json's) leaves it: on unless turned off or --compile."""
+    return bool(cfg.get("recompute_lora_dropout", True)) and not cfg.get("compile", False)
 
 
 def applies(*, lora: bool, lora_dropout: float, zero_stage: int, quantized: bool, enabled: bool) -> bool:

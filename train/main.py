@@ -90,7 +90,7 @@ from train.kernels import (
     route_linear_attention,
 )
 from train.loss import LossSpec, causal_lm_loss, liger_problem, resolve_loss_impl
-from train.lora_dropout import applies as recompute_applies, recompute_lora_dropout
+from train.lora_dropout import applies as recompute_applies, recompute_lora_dropout, switched_on
 from train.sequence_parallel import SequenceParallelError, sequence_parallel_loss, ulysses
 from train.sequence_parallel import model_problems as sp_model_problems
 from train.sequence_parallel import new_groups as sp_new_groups
@@ -478,7 +478,7 @@ class Recipe:
             # branch in fp32 (one H200, 64 frames: fp32 GEMMs, dropout and casts, 0.98 s against 0.60 s ZeRO-2)
             model = get_peft_model(model, lora, autocast_adapter_dtype=False)
             if recompute_applies(lora=True, lora_dropout=cfg.lora_dropout, zero_stage=self.zero_stage,
-                                 quantized=cfg.quantize_base is not None, enabled=cfg.recompute_lora_dropout):
+                                 quantized=cfg.quantize_base is not None, enabled=switched_on(vars(cfg))):
                 self.log.event("lora_dropout_recomputed", modules=recompute_lora_dropout(model))
         else:
             for name, p in model.named_parameters():

@@ -58,7 +58,7 @@ from typing import Sequence
 from train.activations import Checkpointing
 from train.config import keeps_parameters_whole, own_zero3_settings
 from train.flops import layer_forward_flops
-from train.lora_dropout import applies as lora_dropout_recomputed
+from train.lora_dropout import applies as lora_dropout_recomputed, switched_on as lora_dropout_switched_on
 from train.shapes import LayerShape, ModelShape
 
 GIB = 2**30
@@ -235,8 +235,9 @@ def predict(shape: ModelShape, work: Workload, setup: Setup, *, world: int = 1, 
     zero3_linear = stage == 3 and not keeps_parameters_whole(world_size=world, offload_params=setup.offload_params,
                                                              own_zero3=setup.own_zero3)
     # LoRA dropout drawn again in backward keeps what LoRA without dropout keeps
-    dropout_kept = setup.lora_dropout and setup.finetune == "lora" and not lora_dropout_recomputed(
-        lora=True, lora_dropout=1.0, zero_stage=stage, quantized=bool(setup.quantize_base),
+    lora = setup.finetune == "lora"
+    dropout_kept = lora and setup.lora_dropout and not lora_dropout_recomputed(
+        lora=lora, lora_dropout=float(setup.lora_dropout), zero_stage=stage, quantized=bool(setup.quantize_base),
         enabled=setup.recompute_lora_dropout)
     per_layer = [layer_bytes_per_token(layer, shape, lora_dropout=dropout_kept,
                                        fused=setup.fused_kernels, linear_kernel=setup.linear_attention,
@@ -511,7 +512,7 @@ def config_levers(cfg: dict) -> dict:
     undecided "auto" plans for the torch fallback, which keeps more."""
     return {"linear_attention": "fla" if cfg.get("linear_attention") == "fla" else "torch",
             "keep_attention": cfg.get("recompute_attention") is False, "own_zero3": own_zero3_settings(cfg),
-            "recompute_lora_dropout": cfg.get("recompute_lora_dropout", True)}
+            "recompute_lora_dropout": lora_dropout_switched_on(cfg)}
 
 
 def auto_config(cfg, shape: ModelShape, work: Workload, *, world: int, gpu_mem_gib: float):
