@@ -19,7 +19,8 @@ micro-batch (tokens, supervised positions, vision patches), in bytes:
   auto does not offer the flag; kept: every activation a non-checkpointed layer saves for backward.
 - layer activations (what one decoder layer saves for backward, per token) are enumerated tensor by tensor
   in `layer_bytes_per_token`: norms in fp32, the projections' shared input, one dropout output + mask per
-  LoRA-targeted projection (lora_dropout > 0), q/k norms in fp32 (rotary keeps only cos/sin), sdpa's q, k, v and
+  LoRA-targeted projection (lora_dropout > 0, unless train/lora_dropout.py draws it again in backward: then
+  what LoRA without dropout keeps), q/k norms in fp32 (rotary keeps only cos/sin), sdpa's q, k, v and
   output, the output gate (Qwen3.5), the MLP's gate/up/act/product and the linear-attention layers' conv
   and recurrent-state tensors. Backward recomputes one checkpointed layer at a time: its activations plus
   one [tokens, intermediate] gradient are the working set.
