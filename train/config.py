@@ -450,7 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute-lora-dropout", action=argparse.BooleanOptionalAction, default=d.recompute_lora_dropout,
                    help="below ZeRO-3, each LoRA branch keeps its input (shared by q/k/v and by gate/up) and draws its "
                    "dropout mask again in backward (default) instead of keeping PEFT's dropout output and mask per "
-                   "projection: the same masks and loss, about a third less activation memory per kept layer (not with --compile)")
+                   "projection: the same masks and loss, about a third less activation memory per kept layer "
+                   "(not with --compile)")
     g.add_argument("--fused-grad-checks", action=argparse.BooleanOptionalAction, default=d.fused_grad_checks,
                    help="the gradient norm (ZeRO-1/2/3) and the inf/NaN check (ZeRO-1/2) as a few multi-tensor kernels "
                    "(default) instead of DeepSpeed's several kernels per gradient tensor; same norm, same skipped steps")

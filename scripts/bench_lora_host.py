@@ -1,0 +1,151 @@
+"""Host time of the per-tensor work in a LoRA step, on tiny CPU tensors where compute is negligible (issue 9: the
+64-frame H200 step waits ~0.1 s on the host; BENCHMARKS.md "One H200, session 11").
+
+Run: python -m scripts.bench_lora_host [--rounds 7] [--calls 300] [--steps 20]
+
+  branch     one projection's forward + backward ([4, 16] input, r = 8, dropout 0.05, one thread):
+             peft   the frozen base plus PEFT's branch, base(x) + B(A(dropout(x))) * s
+             lever  the frozen base plus train/lora_dropout.py's branch (what ships below ZeRO-3)
+             fused  a prototype: base and branch in one autograd.Function (same gradients, to the bit)
+  reduction  forward + backward + step of 504 tiny linears (the 4B LoRA's tensor count) on one rank:
+             hooks      DeepSpeed ZeRO-2, a reduction hook per gradient, train.main's fused gradient checks (what ships)
+             coalesced  the same engine inside DeepSpeed's engine.coalesce_grad_reduction()
+             torch      plain torch with foreach AdamW, no DeepSpeed
+The arms run interleaved, `--rounds` times; printed: the median per call (branch) or per step (reduction).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from train.lora_dropout import _DropoutThenA, _generator
+from train.zero import fuse_gradient_checks
+
+P, SCALE = 0.05, 2.0
+
+
+class _FusedProjection(torch.autograd.Function):
+    """base(x) + s * (dropout(x) @ A^T) @ B^T in one Function, the mask drawn again in backward (prototype)."""
+
+    @staticmethod
+    def forward(ctx, x, w, a, b):
+        ctx.rng = _generator(x.device).get_state()
+        dropped, _ = torch.native_dropout(x, P, True)
+        h = dropped @ a.t()
+        ctx.save_for_backward(x, w, a, b, h)
+        return torch.addmm(x @ w.t(), h, b.t(), alpha=SCALE)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, a, b, h = ctx.saved_tensors
+        gh = (g @ b) * SCALE
+        gen = _generator(x.device)
+        now = gen.get_state()
+        gen.set_state(ctx.rng)
+        dropped, mask = torch.native_dropout(x, P, True)
+        gen.set_state(now)
+        gx = torch.addmm(torch.ops.aten.native_dropout_backward(gh @ a, mask, 1 / (1 - P)), g, w)
+        return gx, None, gh.t() @ dropped, (g.t() @ h) * SCALE
+
+
+def branch_arms():
+    x = torch.randn(4, 16, requires_grad=True)
+    w = torch.randn(16, 16)
+    a = torch.randn(8, 16, requires_grad=True)
+    b = torch.randn(16, 8, requires_grad=True)
+    drop = torch.nn.Dropout(P)
+
+    def peft():
+        (F.linear(x, w) + F.linear(F.linear(drop(x), a), b) * SCALE).sum().backward()
+
+    def lever():
+        torch.addmm(F.linear(x, w), _DropoutThenA.apply(x, a, P), b.t(), alpha=SCALE).sum().backward()
+
+    def fused():
+        _FusedProjection.apply(x, w, a, b).sum().backward()
+
+    grads = []
+    for f in (peft, fused):
+        torch.manual_seed(1)
+        f()
+        grads.append([t.grad.clone() for t in (x, a, b)])
+        for t in (x, a, b):
+            t.grad = None
+    assert all(torch.equal(p, q) for p, q in zip(*grads)), "the fused prototype's gradients differ from PEFT's"
+    return {"peft": peft, "lever": lever, "fused": fused}
+
+
+def reduction_arms(steps: int):
+    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29611"),
+                      RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    import deepspeed
+
+    deepspeed.init_distributed("gloo", verbose=False)
+    x = torch.randn(4, 16)
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(16, 8, bias=False) if i % 2 == 0 else
+                                     torch.nn.Linear(8, 16, bias=False) for i in range(504)])
+
+    def engine_arm(coalesced: bool):
+        net = model()
+        engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config={
+            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}, "steps_per_print": 10**9,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})
+        fuse_gradient_checks(engine.optimizer)  # as train.main does (--fused-grad-checks, on by default)
+
+        def run():
+            for _ in range(steps):
+                loss = engine(x).square().mean()
+                with engine.coalesce_grad_reduction() if coalesced else contextlib.nullcontext():
+                    engine.backward(loss)
+                engine.step()
+        return run
+
+    net = model()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, foreach=True)
+
+    def plain():
+        for _ in range(steps):
+            net(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    return {"hooks": engine_arm(False), "coalesced": engine_arm(True), "torch": plain}
+
+
+def interleaved(arms: dict, rounds: int, per_round: int) -> dict[str, float]:
+    """Median time per unit (per_round units in one call of an arm), the arms alternating every round."""
+    times = {k: [] for k in arms}
+    for _ in range(rounds):
+        for name, f in arms.items():
+            t = time.perf_counter()
+            f()
+            times[name].append((time.perf_counter() - t) / per_round)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds of every arm")
+    ap.add_argument("--calls", type=int, default=300, help="projection forward + backward calls per branch round")
+    ap.add_argument("--steps", type=int, default=20, help="training steps per reduction round")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    arms = branch_arms()
+    branch = interleaved({k: (lambda f=f: [f() for _ in range(a.calls)]) for k, f in arms.items()}, a.rounds, a.calls)
+    print("branch: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in branch.items()) + " per projection forward + backward")
+    reduction = interleaved(reduction_arms(a.steps), a.rounds, a.steps)
+    print("reduction: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in reduction.items()) + " per step (504 tensors)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
