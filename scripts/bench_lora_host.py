@@ -82,11 +82,12 @@ def branch_arms():
 
 
 def reduction_arms(steps: int):
-    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29611"),
-                      RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ["DS_ACCELERATOR"] = "cpu"
     import deepspeed
 
-    deepspeed.init_distributed("gloo", verbose=False)
+    from train.main import init_distributed
+
+    init_distributed()  # train.main's: a world of one on a free port, without DeepSpeed's CPU shared-memory op build
     x = torch.randn(4, 16)
 
     def model():
@@ -96,9 +97,9 @@ def reduction_arms(steps: int):
 
     def engine_arm(coalesced: bool):
         net = model()
-        engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config={
-            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}, "steps_per_print": 10**9,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})
+        # torch's AdamW handed to DeepSpeed, as train.main does (a config optimizer would JIT-build FusedAdam)
+        engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-4), config={
+            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}, "steps_per_print": 10**9})
         fuse_gradient_checks(engine.optimizer)  # as train.main does (--fused-grad-checks, on by default)
 
         def run():
