@@ -1114,9 +1114,10 @@ def parser() -> argparse.ArgumentParser:
       help="read annotation paths that resolve (symlinks followed) outside --videos, e.g. ../x.mp4 or /abs/x.mp4; "
            "by default each is rejected (path_outside_videos)")
     a("--prompt-layout", choices=sorted(LAYOUTS), default=DEFAULT_LAYOUT,
-      help="how the video item expands: nested = what transformers 5.x's Qwen3VLProcessor produces (the chat "
+      help="how the video item expands: nested = what transformers 5.0-5.24's Qwen3VLProcessor produces (the chat "
            "template's <|vision_start|>..<|vision_end|> kept around the per-group blocks); flat = transformers "
-           "4.57 / vLLM before PR 46957 (wrapper replaced). Pick the one your serving stack produces")
+           ">= 5.25 and 4.57, vLLM before PR 46957 (wrapper replaced). Default: the installed transformers' "
+           f"({DEFAULT_LAYOUT}). Pick the one your serving stack produces")
     a("--query", default=DEFAULT_QUERY, help="instruction for annotations without their own query")
     a("--query-template", default=None,
       help="how an annotation's own query becomes the instruction, with {query} (default: '{query}'; "

@@ -3,24 +3,28 @@
 A sample's input is the chat template's user turn with one video item and the query, then the assistant
 turn. The chat template renders the video item as `<|vision_start|><|video_pad|><|vision_end|>`; it is
 expanded into one block per temporal group, `<{t:.1f} seconds><|vision_start|>` + `<|video_pad|>` x
-tokens_per_group + `<|vision_end|>`, with t the window-local group time. Two serving stacks disagree on
-what happens to the template's own wrapper, so there are two named layouts:
+tokens_per_group + `<|vision_end|>`, with t the window-local group time. Serving stacks and transformers
+releases disagree on what happens to the template's own wrapper, so there are two named layouts:
 
-    nested  (default) transformers 5.x `Qwen3VLProcessor` (Qwen3-VL and Qwen3.5): only `<|video_pad|>` is
+    nested  transformers 5.0-5.24 `Qwen3VLProcessor` (Qwen3-VL and Qwen3.5): only `<|video_pad|>` is
             replaced, the outer `<|vision_start|>`...`<|vision_end|>` stays around the group blocks:
             `<|vision_start|><0.5 seconds><|vision_start|><|video_pad|>...<|vision_end|>...<|vision_end|>`
-    flat    transformers 4.57's processor and vLLM before PR 46957 (issue 46817): the whole wrapper is
-            replaced by the group blocks
+    flat    transformers >= 5.25 (seen 2026-12-03), 4.57, and vLLM before PR 46957 (issue 46817): the whole
+            wrapper is replaced by the group blocks
 
-A model only ever sees one of them: the layout a build uses is recorded per sample and in build.json, and
-train/predict refuse shards whose layout differs from the one asked for. tests/test_prompt_parity.py
-compares the `nested` ids with the installed processor's, token for token.
+The default is the installed transformers' own (`processor_layout`), so a build's ids are what that
+processor gives. A model only ever sees one of them: the layout a build uses is recorded per sample and in
+build.json (with the transformers version), and train/predict refuse shards whose layout differs from the
+one asked for, so a transformers upgrade across 5.25 is refused with the rebuild command, never trained on
+silently. tests/test_prompt_parity.py compares the default layout's ids with the installed processor's,
+token for token.
 
 The supervised span is the answer followed by `<|im_end|>`, always at the end.
 """
 from __future__ import annotations
 
 import dataclasses
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -28,11 +32,29 @@ BUNDLED_TOKENIZER = Path(__file__).resolve().parent / "assets" / "tokenizer"
 VIDEO_ITEM = "<|vision_start|><|video_pad|><|vision_end|>"
 VIDEO_PAD = "<|video_pad|>"
 LAYOUTS = {
-    "nested": "transformers 5.x Qwen3VLProcessor (Qwen3-VL, Qwen3.5): the template's <|vision_start|>...<|vision_end|> "
-              "kept around the per-group blocks",
-    "flat": "transformers 4.57 / vLLM before PR 46957: the template's wrapper replaced by the per-group blocks",
+    "nested": "transformers 5.0-5.24 Qwen3VLProcessor (Qwen3-VL, Qwen3.5): the template's "
+              "<|vision_start|>...<|vision_end|> kept around the per-group blocks",
+    "flat": "transformers >= 5.25 and 4.57, vLLM before PR 46957: the template's wrapper replaced by the per-group "
+            "blocks",
 }
-DEFAULT_LAYOUT = "nested"
+
+
+def processor_layout(transformers_version: str) -> str:
+    """The layout transformers' Qwen3VLProcessor of this version expands a video into."""
+    release = tuple(int(x) for x in re.findall(r"\d+", transformers_version)[:2])
+    return "nested" if (5, 0) <= release < (5, 25) else "flat"
+
+
+def _installed_layout() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return processor_layout(version("transformers"))
+    except PackageNotFoundError:  # a dependency of this package; without it nothing here tokenizes anyway
+        return "nested"
+
+
+DEFAULT_LAYOUT = _installed_layout()
 DEFAULT_QUERY = (
     "Watch the video and list the time segments worth keeping, "
     "as JSON [[start, end], ...] in seconds from the start of the clip."

@@ -246,15 +246,22 @@ def test_below_per_frame_minimum_the_references_disagree_and_we_follow_qwen_vl_u
     assert hf_grid(hf_processor(budget), height=270, width=480, n_frames=32) == [16, 16, 30]
 
 
-def test_hf_cap_is_ignored_when_passed_to_call():
-    """NOTES item 2: cap_pixels_per_frame / max_video_tokens given to __call__ change nothing, which is why
-    hf_processor() passes them to the constructor. If transformers starts honouring them, revisit."""
+def test_hf_cap_passed_to_call_is_ignored_before_transformers_5_25_and_matches_the_constructor_since():
+    """NOTES item 2: up to transformers 5.24, cap_pixels_per_frame / max_video_tokens given to __call__ change
+    nothing, which is why hf_processor() passes them to the constructor. transformers 5.25 honours them at call
+    time too (seen in a fresh CI venv on 2026-12-03), with the same grid as the constructor's: either way the
+    constructor path, the one hf_processor() takes, gives the budget's grid."""
+    import transformers
+    from packaging.version import Version
+
     budget = B.VideoBudget()
     plain = Qwen3VLVideoProcessor(do_sample_frames=False, size=hf_processor(budget).size)
     video = torch.zeros(14, 3, 405, 720, dtype=torch.uint8)
     via_call = plain(videos=[video], cap_pixels_per_frame=True, max_video_tokens=196, return_tensors="pt")
     via_init = hf_processor(dataclasses.replace(budget, video_max_tokens=196))(videos=[video], return_tensors="pt")
-    assert via_call["video_grid_thw"][0].tolist() == [7, 26, 44]  # 704x416: no cap applied
+    honoured = Version(transformers.__version__).release >= (5, 25)
+    # 576x320 capped at 196 tokens / frame since 5.25; 704x416, no cap applied, before
+    assert via_call["video_grid_thw"][0].tolist() == ([7, 20, 36] if honoured else [7, 26, 44])
     assert via_init["video_grid_thw"][0].tolist() == [7, 20, 36]  # 576x320: capped at 196 tokens / frame
     assert grid_of(dataclasses.replace(budget, video_max_tokens=196), 405, 720, 14) == [7, 20, 36]
 

@@ -24,7 +24,7 @@ from schemas.answer import parse_answer
 from schemas.build import BuildRecord, PromptInfo
 from prep.budget import VideoBudget, plan_frames
 from prep.build import BuildConfig, BuildError, build, cli
-from schemas.prompt import load_tokenizer, special_id, tokenize_sample
+from schemas.prompt import DEFAULT_LAYOUT, load_tokenizer, special_id, tokenize_sample
 from schemas.manifest import RejectRecord, SampleRecord, Segment, arrow_schema, read_records
 from schemas.shard import ShardSample
 from scripts.synth_videos import VideoSpec, write_dataset, write_video
@@ -323,7 +323,7 @@ def test_build_json_records_what_was_used(built_shards):
     assert meta.tokenizer.special_token_ids["<|video_pad|>"] == special_id(load_tokenizer(), "<|video_pad|>")
     assert len(meta.tokenizer.tokenizer_json_sha256) == 64
     assert meta.summary.samples == 12 and meta.summary.shards == 2
-    assert meta.prompt == PromptInfo(layout="nested", transformers=transformers.__version__)
+    assert meta.prompt == PromptInfo(layout=DEFAULT_LAYOUT, transformers=transformers.__version__)
     assert meta.model_family == "qwen3_vl" and meta.versions["transformers"] == transformers.__version__
     for entry in meta.shard_files:
         path = built_shards / entry.name

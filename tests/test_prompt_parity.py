@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
+from schemas.prompt import DEFAULT_LAYOUT, processor_layout
 from scripts.synth_videos import VideoSpec, write_video
 
 SYNTH = [
@@ -87,7 +89,7 @@ def test_stored_inputs_equal_the_installed_processor(family, samples, tiny_cache
     tokenizer = processor.tokenizer
     for s in samples:
         r = s.record
-        assert r.prompt_layout == "nested"
+        assert r.prompt_layout == DEFAULT_LAYOUT == processor_layout(transformers.__version__)
         text = chat_text(tokenizer, r.query)
         prompt = processor_inputs(processor, s, text)
         assert prompt["input_ids"][0].tolist() == s.input_ids[: s.prompt_tokens], r.sample_id
@@ -100,7 +102,9 @@ def test_stored_inputs_equal_the_installed_processor(family, samples, tiny_cache
         assert torch.equal(full["attention_mask"], ours["attention_mask"])
 
 
-def test_flat_layout_differs_by_exactly_the_template_wrapper(samples, tiny_cache):
+def test_the_two_layouts_differ_by_exactly_the_template_wrapper(samples, tiny_cache):
+    """nested = flat with the template's <|vision_start|> ... <|vision_end|> kept around the group blocks, and the
+    installed processor gives the one its version has (transformers 5.25 went from nested to flat)."""
     from transformers import AutoProcessor
 
     from schemas.prompt import tokenize_sample
@@ -111,11 +115,19 @@ def test_flat_layout_differs_by_exactly_the_template_wrapper(samples, tiny_cache
     for s in samples[:3]:
         r = s.record
         theirs = processor_inputs(processor, s, chat_text(tok, r.query))["input_ids"][0].tolist()
-        flat = tokenize_sample(tok, query=r.query, answer=None, group_times_s=r.group_times_s,
-                               tokens_per_group=r.grid_h * r.grid_w // 4, layout="flat").input_ids
-        assert flat != theirs and len(theirs) == len(flat) + 2
-        first = theirs.index(start)
-        assert theirs[first + 1] != start  # the wrapper opens, then the first group's "<t seconds>" text
-        last = len(theirs) - 1 - theirs[::-1].index(end)
-        assert theirs[last - 1] == end  # two <|vision_end|> close the last group: its own and the wrapper's
-        assert theirs[:first] + theirs[first + 1: last] + theirs[last + 1:] == flat
+        ids = {layout: tokenize_sample(tok, query=r.query, answer=None, group_times_s=r.group_times_s,
+                                       tokens_per_group=r.grid_h * r.grid_w // 4, layout=layout).input_ids
+               for layout in ("nested", "flat")}
+        assert theirs == ids[processor_layout(transformers.__version__)]
+        nested, flat = ids["nested"], ids["flat"]
+        assert len(nested) == len(flat) + 2
+        first = nested.index(start)
+        assert nested[first + 1] != start  # the wrapper opens, then the first group's "<t seconds>" text
+        last = len(nested) - 1 - nested[::-1].index(end)
+        assert nested[last - 1] == end  # two <|vision_end|> close the last group: its own and the wrapper's
+        assert nested[:first] + nested[first + 1: last] + nested[last + 1:] == flat
+
+
+def test_the_default_layout_is_the_installed_processors():
+    assert [processor_layout(v) for v in ("4.57.1", "5.0.0", "5.24.0", "5.25.0", "5.25.0.dev0", "6.1.0")] == \
+        ["flat", "nested", "nested", "flat", "flat", "flat"]

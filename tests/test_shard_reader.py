@@ -167,10 +167,14 @@ def test_a_v1_build_is_refused_by_train_and_predict_with_the_rebuild_command(sha
 
 
 def test_shards_of_another_prompt_layout_are_refused(built_shards, tiny_cache, tmp_path):
-    rebuild = rebuild_command(built_shards, prompt_layout="flat")
-    trained = _train(built_shards, tmp_path / "run", "--cache-dir", str(tiny_cache), "--prompt-layout", "flat")
+    """Shards built in the installed transformers' layout, asked for in the other (as after an upgrade across 5.25)."""
+    from schemas.prompt import DEFAULT_LAYOUT, LAYOUTS
+
+    (other,) = set(LAYOUTS) - {DEFAULT_LAYOUT}
+    rebuild = rebuild_command(built_shards, prompt_layout=other)
+    trained = _train(built_shards, tmp_path / "run", "--cache-dir", str(tiny_cache), "--prompt-layout", other)
     assert trained.returncode == 2, trained.stderr[-3000:]
-    assert "tokenized with prompt layout nested" in trained.stderr and "--prompt-layout flat" in trained.stderr
+    assert f"tokenized with prompt layout {DEFAULT_LAYOUT}" in trained.stderr and f"--prompt-layout {other}" in trained.stderr
     assert rebuild in trained.stderr
-    predicted = _predict(built_shards, tiny_cache / "tiny_qwen3_vl", tmp_path / "p.jsonl", "--prompt-layout", "flat")
+    predicted = _predict(built_shards, tiny_cache / "tiny_qwen3_vl", tmp_path / "p.jsonl", "--prompt-layout", other)
     assert predicted.returncode == 2 and rebuild in predicted.stderr, predicted.stderr[-3000:]
