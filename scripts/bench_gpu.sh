@@ -25,9 +25,10 @@
 # carrying the second (/tmp and the WORK models survive on the warm machine):
 #   mkdir -p /tmp/site && tar xJf .whl_train/site.tar.xz -C /tmp/site && python3 -m pip install -q --no-index \
 #     --no-deps --no-compile --target /tmp/site2 .whl_train/*.whl && export PYTHONPATH=/tmp/site:/tmp/site2 \
-#     PATH=/tmp/site/bin:$PATH
-# (/tmp/site/bin holds the ninja wheel's binary: DeepSpeed's CPU Adam op, which the 12 GiB legs' optimizer offload
-# needs, compiles with it; session 11's 256-frame 12 GiB leg ran with it there; session 10's two tries sat in
+#     PATH=$(echo /tmp/site/ninja-*.data/scripts):$PATH
+# (the ninja wheel's binary: unzipped as a wheel it lands in ninja-VERSION.data/scripts (session 12's bundle); session
+# 11's bundle had it in /tmp/site/bin. DeepSpeed's CPU Adam op, which the 12 GiB legs' optimizer offload needs,
+# compiles with it; session 11's 256-frame 12 GiB leg ran with it on PATH; session 10's two tries sat in
 # deepspeed.initialize, and whether ninja was missing then is not known.)
 # Chained calls on the warm machine skip the unpacking: re-export PYTHONPATH and PATH and carry only what is new.
 #

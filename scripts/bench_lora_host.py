@@ -7,10 +7,12 @@ Run: python -m scripts.bench_lora_host [--rounds 7] [--calls 300] [--steps 20]
              peft   the frozen base plus PEFT's branch, base(x) + B(A(dropout(x))) * s
              lever  the frozen base plus train/lora_dropout.py's branch (what ships below ZeRO-3)
              fused  a prototype: base and branch in one autograd.Function (same gradients, to the bit)
-  reduction  forward + backward + step of 504 tiny linears (the 4B LoRA's tensor count) on one rank:
-             hooks      DeepSpeed ZeRO-2, a reduction hook per gradient, train.main's fused gradient checks (what ships)
+  reduction  forward + backward + step of 504 tiny bf16 linears (the 4B LoRA's tensor count) on one rank:
+             hooks      DeepSpeed ZeRO-2, a reduction hook per gradient, train.main's fused gradient checks (what
+                        auto ran on one GPU before train/adamw.py)
              coalesced  the same engine inside DeepSpeed's engine.coalesce_grad_reduction()
-             torch      plain torch with foreach AdamW, no DeepSpeed
+             plain      DeepSpeed stage 0 stepping train/adamw.py's fp32-master AdamW (what auto runs on one GPU)
+             torch      plain torch with foreach AdamW on the bf16 tensors, no DeepSpeed, no masters
 The arms run interleaved, `--rounds` times; printed: the median per call (branch) or per step (reduction).
 """
 from __future__ import annotations
@@ -25,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from train.lora_dropout import _DropoutThenA, _generator
-from train.zero import fuse_gradient_checks
+from train.adamw import MasterWeightAdamW, clear_gradients_through
+from train.zero import fuse_gradient_checks, skip_one_rank_allreduce
 
 P, SCALE = 0.05, 2.0
 
@@ -88,18 +91,20 @@ def reduction_arms(steps: int):
     from train.main import init_distributed
 
     init_distributed()  # train.main's: a world of one on a free port, without DeepSpeed's CPU shared-memory op build
-    x = torch.randn(4, 16)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    clip = 1.0
 
     def model():
         torch.manual_seed(0)
         return torch.nn.Sequential(*[torch.nn.Linear(16, 8, bias=False) if i % 2 == 0 else
-                                     torch.nn.Linear(8, 16, bias=False) for i in range(504)])
+                                     torch.nn.Linear(8, 16, bias=False) for i in range(504)]).to(torch.bfloat16)
 
     def engine_arm(coalesced: bool):
         net = model()
         # torch's AdamW handed to DeepSpeed, as train.main does (a config optimizer would JIT-build FusedAdam)
         engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-4), config={
-            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}, "steps_per_print": 10**9})
+            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
+            "gradient_clipping": clip, "steps_per_print": 10**9})
         fuse_gradient_checks(engine.optimizer)  # as train.main does (--fused-grad-checks, on by default)
 
         def run():
@@ -107,6 +112,22 @@ def reduction_arms(steps: int):
                 loss = engine(x).square().mean()
                 with engine.coalesce_grad_reduction() if coalesced else contextlib.nullcontext():
                     engine.backward(loss)
+                engine.step()
+        return run
+
+    def plain_adamw():
+        net = model()
+        # train.main's stage-0 path: DeepSpeed with its bf16 mode and clipping off, the one-rank all-reduce skipped
+        engine, *_ = deepspeed.initialize(model=net, optimizer=MasterWeightAdamW(
+            net.parameters(), lr=1e-4, weight_decay=0.0, max_grad_norm=clip), config={
+            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}, "gradient_clipping": 0.0,
+            "steps_per_print": 10**9})
+        assert skip_one_rank_allreduce(engine, 1)
+        clear_gradients_through(engine, engine.optimizer)
+
+        def run():
+            for _ in range(steps):
+                engine.backward(engine(x).square().mean())
                 engine.step()
         return run
 
@@ -119,7 +140,7 @@ def reduction_arms(steps: int):
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-    return {"hooks": engine_arm(False), "coalesced": engine_arm(True), "torch": plain}
+    return {"hooks": engine_arm(False), "coalesced": engine_arm(True), "plain": plain_adamw(), "torch": plain}
 
 
 def interleaved(arms: dict, rounds: int, per_round: int) -> dict[str, float]:

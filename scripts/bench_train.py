@@ -84,6 +84,11 @@ LEGS: dict[str, tuple[str, ...]] = {
     "zero2-profile": ("--zero-stage", "2", "--gradient-checkpointing", "all", "--liger-kernels", "--profile-steps", "2"),
     # LoRA dropout's output and mask kept per projection, PEFT's own way (train/lora_dropout.py)
     "auto-no-recompute-lora-dropout": ("--no-recompute-lora-dropout",),
+    # one GPU: DeepSpeed's ZeRO-2 optimizer (auto's pick before train/adamw.py) instead of stage 0 + the trainer's AdamW
+    "auto-no-plain-adamw": ("--no-plain-adamw",),
+    # 512f: session 11's pick (19 layers whole, attention kept) with today's levers, beside auto's all-but-25: what
+    # the down projection's product lever (train/lora_dropout.py) buys alone
+    "auto-all-but-19": ("--gradient-checkpointing", "all-but-19", "--no-recompute-attention"),
     "zero3-no-fused-grad-checks": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--no-fused-grad-checks"),
     # ZeRO-3 on one rank with every parameter whole: nothing to prefetch, so the prefetch bookkeeping off
     "zero3-no-prefetch": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--prefetch-bucket-size", "1"),
@@ -143,6 +148,8 @@ def issue9_matrix() -> list[Leg]:
     legs += [Leg(config="auto-recompute-attention", frames=512), Leg(config="zero3-no-fused-grad-checks")]  # 42-43
     legs += [Leg(config="zero3-ds-linear"), Leg(config="zero2-profile")]  # 44-45
     legs += [Leg(config="auto-no-recompute-lora-dropout", frames=f) for f in (64, 512)]  # 46-47
+    legs += [Leg(config="auto-no-plain-adamw", frames=f) for f in (64, 512)]  # 48-49
+    legs += [Leg(config="auto-all-but-19", frames=512)]  # 50
     return legs
 
 

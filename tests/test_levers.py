@@ -632,7 +632,8 @@ def test_recomputed_lora_dropout_draws_peft_masks_and_keeps_only_the_inputs(tiny
     peft = _lora(model_dir, checkpointing=checkpointing, dropout=0.3)
     lever = _lora(model_dir, checkpointing=checkpointing, dropout=0.3)
     n = recompute_lora_dropout(lever)
-    assert n == sum(1 for name, _ in peft.named_modules() if name.endswith(".lora_A")) > 0
+    assert n == {"projections": sum(1 for name, _ in peft.named_modules() if name.endswith(".lora_A")), "mlps": 0}
+    assert n["projections"] > 0
     runs = {}
     for name, model, seed in (("peft", peft, 5), ("lever", lever, 5), ("other_seed", lever, 6)):
         torch.manual_seed(seed)
@@ -644,3 +645,36 @@ def test_recomputed_lora_dropout_draws_peft_masks_and_keeps_only_the_inputs(tiny
         no_dropout = _saved_activation_bytes(_lora(model_dir, checkpointing=False), batch, spec)
         kept = {name: _saved_activation_bytes(m, batch, spec) for name, m in (("peft", peft), ("lever", lever))}
         assert kept["lever"] <= 1.01 * no_dropout < kept["peft"], (kept, no_dropout)
+
+
+@pytest.mark.parametrize("family,checkpointing", [("qwen3_vl", False), ("qwen3_vl", True), ("qwen3_5", False)])
+def test_down_projection_keeping_gate_and_up_gives_peft_loss_and_drops_the_product(tiny_cache, built_shards, family,
+                                                                                 checkpointing):
+    """Where a run checkpoints (train/lora_dropout.py keeps_product_inputs): each SwiGLU MLP's down projection
+    keeps gate and up instead of their product and computes it again in backward: PEFT's loss and gradients
+    (masks included), and autograd keeps one [tokens, intermediate] tensor less per MLP than the recomputed
+    dropout alone."""
+    from train.lora_dropout import keeps_product_inputs, recompute_lora_dropout
+
+    assert keeps_product_inputs("all") and keeps_product_inputs("all-but-3") and not keeps_product_inputs("none")
+    model_dir = tiny_cache / f"tiny_{family}"
+    batch = _batch(model_dir, built_shards, TWO)
+    spec = LossSpec(impl="chunked", vision_no_grad=True)
+    peft = _lora(model_dir, checkpointing=checkpointing, dropout=0.3)
+    lever = _lora(model_dir, checkpointing=checkpointing, dropout=0.3)
+    n = recompute_lora_dropout(lever, product_inputs=True)
+    layers = peft.base_model.model.config.text_config.num_hidden_layers
+    assert n["mlps"] == layers
+    assert n["projections"] == sum(1 for name, _ in peft.named_modules() if name.endswith(".lora_A"))
+    runs = {}
+    for name, model in (("peft", peft), ("lever", lever)):
+        torch.manual_seed(5)
+        runs[name] = _loss_and_grads(model, batch, spec)
+    _assert_same(runs["lever"], runs["peft"], rel=1e-5)
+    if not checkpointing:
+        inputs_only = _lora(model_dir, checkpointing=False, dropout=0.3)
+        recompute_lora_dropout(inputs_only)
+        tokens = batch["input_ids"].numel()
+        product = tokens * peft.base_model.model.config.text_config.intermediate_size * 4  # fp32 on CPU
+        kept = {name: _saved_activation_bytes(m, batch, spec) for name, m in (("inputs", inputs_only), ("lever", lever))}
+        assert kept["lever"] <= kept["inputs"] - 0.99 * layers * product, (kept, layers * product)

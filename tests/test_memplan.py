@@ -78,9 +78,11 @@ MEASURED = [
     ("qwen3_vl_4b", 64, 6619, 12, dict(zero_stage=2, checkpointing="none", fused_kernels=True,
                                        recompute_lora_dropout=True), 1, 33.62, None, "H200 session 11"),
     ("qwen3_vl_4b", 64, 6619, 12, dict(zero_stage=2, checkpointing="all", fused_kernels=True,
-                                       recompute_lora_dropout=True), 1, 10.90, None, "H200 session 11"),
+                                       recompute_lora_dropout=True, recompute_mlp_product=False), 1, 10.90, None,
+     "H200 session 11"),
     ("qwen3_vl_4b", 512, 52697, 14, dict(zero_stage=2, checkpointing="all-but-19", fused_kernels=True, keep_attention=True,
-                                         recompute_lora_dropout=True), 1, 128.07, None, "H200 session 11"),
+                                         recompute_lora_dropout=True, recompute_mlp_product=False), 1, 128.07, None,
+     "H200 session 11"),
     ("qwen3_vl_8b", 64, 6619, 12, dict(zero_stage=2, checkpointing="none", fused_kernels=True,
                                        recompute_lora_dropout=True), 1, 48.16, None, "H200 session 11"),
     ("qwen3_5_9b", 64, 6619, 12, dict(zero_stage=2, checkpointing="none", fused_kernels=True, linear_attention="fla",
@@ -167,7 +169,15 @@ def test_the_parts_follow_the_configuration(shapes):
 def test_the_planner_picks_the_fastest_configuration_that_fits(shapes):
     s = shapes["qwen3_vl_4b"]
     big = choose(s, _work(64, 6617, 15), gpu_mem_gib=139)
-    assert big.fits and big.pick.setup.name() == "zero2+ckpt-none"  # everything fits: no recompute at all
+    assert big.fits and big.pick.setup.name() == "zero0+ckpt-none"  # everything fits: no recompute at all
+    # one GPU: stage 0 with the trainer's AdamW stands in for ZeRO-2 (the same bytes, train/adamw.py); not where
+    # the switch is off, or where ZeRO-2 shards (2 GPUs), or with the optimizer offloaded (stage >= 1)
+    assert predict(s, _work(64, 6617, 15), big.pick.setup).phases == \
+        predict(s, _work(64, 6617, 15), dataclasses.replace(big.pick.setup, zero_stage=2)).phases
+    off = choose(s, _work(64, 6617, 15), gpu_mem_gib=139, setups=candidates(world=1, plain_adamw=False))
+    assert off.pick.setup.name() == "zero2+ckpt-none"
+    assert choose(s, _work(64, 6617, 15), gpu_mem_gib=139, world=2).pick.setup.name() == "zero2+ckpt-none"
+    assert {c.zero_stage for c in candidates(world=1, offload_optimizer=True)} == {2, 3}
     small = choose(s, _work(64, 6617, 15), gpu_mem_gib=12)
     assert small.fits and small.pick.peak_gib <= 12 * 0.95
     assert small.pick.setup.checkpointing != "none"
@@ -184,7 +194,7 @@ def test_the_planner_picks_the_fastest_configuration_that_fits(shapes):
     quantized = choose(s, _work(64, 6617, 15), gpu_mem_gib=8,
                        setups=candidates(world=1, quantize_base="nf4"))
     assert all(p.setup.quantize_base == "nf4" and p.setup.zero_stage != 3 for p, _ in quantized.table)
-    assert json.loads(json.dumps(big.to_json()))["pick"]["flags"][:2] == ["--zero-stage", "2"]
+    assert json.loads(json.dumps(big.to_json()))["pick"]["flags"][:2] == ["--zero-stage", "0"]
 
 
 def test_plan_cli_reads_the_manifest_and_picks(tiny_cache, built_shards, capsys):
@@ -198,7 +208,7 @@ def test_plan_cli_reads_the_manifest_and_picks(tiny_cache, built_shards, capsys)
     assert main(["--model", str(tiny_cache / "tiny_qwen3_vl"), "--shards", str(built_shards), "--gpu-mem", "80",
                  "--max-tokens-per-batch", "1100", "--pack"]) == 0
     text = capsys.readouterr().out
-    assert "heaviest micro-batch: " in text and "pick (fastest that fits): zero2+ckpt-none" in text
+    assert "heaviest micro-batch: " in text and "pick (fastest that fits): zero0+ckpt-none" in text
 
 
 def test_plan_cli_takes_train_mains_flags_and_plan(tiny_cache, built_shards, capsys):
@@ -259,7 +269,10 @@ def test_zero_stage_auto_applies_the_pick_and_keeps_what_the_flags_fix(shapes, t
     assert (cpu.zero_stage, cpu.gradient_checkpointing) == (3, "all")  # today's behaviour
     s, w = shapes["qwen3_vl_4b"], _work(64, 6617, 15)
     big, choice = auto_config(cfg, s, w, world=1, gpu_mem_gib=139)
-    assert (big.zero_stage, big.gradient_checkpointing, big.offload_activations) == (2, "none", False) and choice.fits
+    assert (big.zero_stage, big.gradient_checkpointing, big.offload_activations) == (0, "none", False) and choice.fits
+    off, _ = auto_config(TrainConfig(shards=tmp_path, output_dir=tmp_path, plain_adamw=False), s, w, world=1,
+                         gpu_mem_gib=139)
+    assert off.zero_stage == 2  # --no-plain-adamw: DeepSpeed's ZeRO-2, as auto picked before train/adamw.py
     small, choice = auto_config(cfg, s, w, world=1, gpu_mem_gib=12)
     assert small.gradient_checkpointing != "none" and choice.pick.peak_gib <= 12 * 0.95
     fixed, choice = auto_config(TrainConfig(shards=tmp_path, output_dir=tmp_path, zero_stage=3), s, w, world=1,

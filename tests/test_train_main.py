@@ -450,10 +450,42 @@ def test_recomputed_lora_dropout_trains_like_peft_dropout_below_zero3(cache, one
         proc = launch(_args(one, run, cache, *common, *extra), nproc=0)
         assert proc.returncode == 0, explain(proc)
         runs[name] = run
-    assert [e["modules"] for e in events(runs["lever"], 0, "lora_dropout_recomputed")] == [14]
+    # checkpointed (CPU auto: all), so the down projections keep gate and up too
+    assert [(e["projections"], e["mlps"]) for e in events(runs["lever"], 0, "lora_dropout_recomputed")] == [(14, 2)]
     assert events(runs["peft"], 0, "lora_dropout_recomputed") == []
     lever, peft = (list(steps(runs[n], 0).values()) for n in ("lever", "peft"))
     assert len(lever) == len(peft) == 3
     # steps 1-2 follow step 0's update of lora_B, whose gradient goes through the dropout masks
     assert [a["loss"] for a in lever] == pytest.approx([b["loss"] for b in peft], rel=1e-5)
     assert lever[2]["loss"] != lever[0]["loss"]
+
+
+def test_plain_adamw_at_stage_0_steps_like_deepspeeds_zero2_and_resumes_exactly(cache, one, tmp_path):
+    """One rank: stage 0 with the trainer's AdamW (train/adamw.py, the default there; what auto picks on one GPU)
+    gives the losses and gradient norms of DeepSpeed's ZeRO-2 (what auto picked before), in bf16 with clipping
+    active; DeepSpeed must not wrap it (its bf16 mode and clipping off in the config it ran), and a run resumed
+    from its step-2 checkpoint continues with the same losses (the fp32 masters travel in DeepSpeed's checkpoint)."""
+    common = ("--model-family", "qwen3_vl", "--epochs", "4", "--lr", "3e-3", "--lora-dropout", "0",
+              "--warmup-steps", "0", "--num-workers", "0", "--max-grad-norm", "0.05")
+    runs = {}
+    for name, extra in (("plain", ("--zero-stage", "0", "--save-every", "2")), ("zero2", ("--zero-stage", "2"))):
+        run = tmp_path / name
+        proc = launch(_args(one, run, cache, *common, *extra), nproc=0)
+        assert proc.returncode == 0, explain(proc)
+        runs[name] = run
+    assert [e["tensors"] for e in events(runs["plain"], 0, "plain_adamw")] == [28]
+    assert events(runs["zero2"], 0, "plain_adamw") == []
+    ds = json.loads((runs["plain"] / "run.json").read_text())["deepspeed_config"]
+    assert ds["bf16"]["enabled"] is False and ds["gradient_clipping"] == 0 and "optimizer" not in ds
+    plain, zero2 = (list(steps(runs[n], 0).values()) for n in ("plain", "zero2"))
+    assert len(plain) == 4 and plain[-1]["loss"] < plain[0]["loss"]
+    assert all(s["grad_norm"] > 0.05 for s in plain)  # clipping was active on every step
+    for a, b in zip(plain, zero2, strict=True):  # the same arithmetic as ZeRO-2's on one rank (bit for bit here)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    shutil.copytree(runs["plain"], tmp_path / "resumed")  # resumed in place from its step-2 checkpoint
+    resumed = launch(_args(one, tmp_path / "resumed", cache, *common, "--zero-stage", "0", "--resume",
+                           str(tmp_path / "resumed")), nproc=0)
+    assert resumed.returncode == 0, explain(resumed)
+    again = steps(tmp_path / "resumed", 0)
+    assert [e["checkpoint"] for e in events(tmp_path / "resumed", 0, "resume")] == ["step000002"]
+    assert [again[s]["loss"] for s in (2, 3)] == pytest.approx([plain[s]["loss"] for s in (2, 3)], abs=1e-6)

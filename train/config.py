@@ -102,6 +102,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile each decoder layer (ZeRO <= 2; train/kernels.py)
     batched_vision_attention: bool = True  # one sdpa call per vision block over equal segments (train/kernels.py)
     recompute_lora_dropout: bool = True  # LoRA keeps its input, not dropout's output + mask (train/lora_dropout.py)
+    plain_adamw: bool = True  # stage 0: DeepSpeed steps the trainer's fp32-master AdamW (train/adamw.py)
     fused_grad_checks: bool = True  # ZeRO gradient norm (+ ZeRO-1/2 overflow check) in multi-tensor kernels (train/zero.py)
     profile_steps: int = 0  # torch.profiler over this many steps after the first (train/profile.py)
     save_every: int = 0  # checkpoint every N optimizer steps (0: never; the final weights are always saved)
@@ -329,9 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "Default: fixed --micro-batch-size")
     g.add_argument("--num-workers", type=int, default=d.num_workers, help="data loader workers per rank")
     g.add_argument("--prompt-layout", choices=sorted(LAYOUTS), default=d.prompt_layout,
-                   help="prompt layout the shards must have (`prep build --prompt-layout`): nested = what the "
-                   "installed transformers' Qwen3VLProcessor produces at serving time; flat = transformers 4.57 / "
-                   "vLLM before PR 46957. Shards of another layout are refused")
+                   help="prompt layout the shards must have (`prep build --prompt-layout`): nested = what "
+                   "transformers 5.0-5.24's Qwen3VLProcessor produces; flat = transformers >= 5.25 and 4.57, vLLM "
+                   f"before PR 46957. Default: the installed transformers' ({d.prompt_layout}). Shards of another "
+                   "layout are refused")
     g = ap.add_argument_group("model")
     g.add_argument("--model", type=Path, default=None,
                    help="save_pretrained model directory; default: the bundled tiny random model (created on first use)")
@@ -455,6 +457,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fused-grad-checks", action=argparse.BooleanOptionalAction, default=d.fused_grad_checks,
                    help="the gradient norm (ZeRO-1/2/3) and the inf/NaN check (ZeRO-1/2) as a few multi-tensor kernels "
                    "(default) instead of DeepSpeed's several kernels per gradient tensor; same norm, same skipped steps")
+    g.add_argument("--plain-adamw", action=argparse.BooleanOptionalAction, default=d.plain_adamw,
+                   help="at ZeRO stage 0 (what auto picks on one GPU), DeepSpeed steps the trainer's AdamW, which keeps "
+                   "the fp32 master weights itself and clips and steps every tensor in a few multi-tensor calls "
+                   "(default), instead of DeepSpeed's bf16 wrapper with its Python per tensor; same update, same "
+                   "skipped steps. Not with a --deepspeed file")
     g.add_argument("--mem-cap-gib", type=float, default=None,
                    help="CUDA: cap this process's memory at this many GiB (torch memory fraction), e.g. to act "
                    "as a 12 GiB card; the planner plans for it")
@@ -569,6 +576,13 @@ def resolve_deepspeed_config(cfg: TrainConfig, world_size: int, total_steps: int
                                                              own_zero3=own_zero3_settings(vars(cfg))):
         ds["zero_optimization"]["stage3_param_persistence_threshold"] = ONE_RANK_PERSISTENCE
         ds["zero_optimization"]["memory_efficient_linear"] = False
+    from train.adamw import applies as plain_adamw_applies, switched_on as plain_adamw_switched_on  # torch: lazily
+
+    plain = plain_adamw_applies(zero_stage=cfg.zero("zero_stage"), deepspeed_file=cfg.deepspeed is not None,
+                                enabled=plain_adamw_switched_on(vars(cfg)))
+    if plain:  # the trainer's optimizer keeps the masters and clips: DeepSpeed must not wrap it (train/adamw.py)
+        ds["bf16"]["enabled"], ds["gradient_clipping"] = False, 0.0
+        del ds["optimizer"]
     for keys, value in fills.items():
         node = ds
         for k in keys[:-1]:
@@ -586,7 +600,7 @@ def resolve_deepspeed_config(cfg: TrainConfig, world_size: int, total_steps: int
                             "(set it to \"auto\" or change --micro-batch-size/--grad-accum)")
     if (ds.get("fp16") or {}).get("enabled"):
         problems.append("fp16 is not supported (use bf16 or fp32)")
-    if (ds.get("bf16") or {}).get("enabled", False) != (cfg.dtype == "bf16"):
+    if not plain and (ds.get("bf16") or {}).get("enabled", False) != (cfg.dtype == "bf16"):
         problems.append(f"bf16.enabled={ds.get('bf16', {}).get('enabled')} contradicts --dtype {cfg.dtype}")
     if problems:
         raise ConfigError("invalid DeepSpeed config:\n  - " + "\n  - ".join(problems))

@@ -90,7 +90,10 @@ from train.kernels import (
     route_linear_attention,
 )
 from train.loss import LossSpec, causal_lm_loss, liger_problem, resolve_loss_impl
-from train.lora_dropout import applies as recompute_applies, recompute_lora_dropout, switched_on
+from train.adamw import (MasterWeightAdamW, applies as plain_adamw_applies, clear_gradients_through,
+                         switched_on as plain_adamw_switched_on)
+from train.lora_dropout import (applies as recompute_applies, keeps_product_inputs, recompute_lora_dropout,
+                                switched_on)
 from train.sequence_parallel import SequenceParallelError, sequence_parallel_loss, ulysses
 from train.sequence_parallel import model_problems as sp_model_problems
 from train.sequence_parallel import new_groups as sp_new_groups
@@ -479,7 +482,8 @@ class Recipe:
             model = get_peft_model(model, lora, autocast_adapter_dtype=False)
             if recompute_applies(lora=True, lora_dropout=cfg.lora_dropout, zero_stage=self.zero_stage,
                                  quantized=cfg.quantize_base is not None, enabled=switched_on(vars(cfg))):
-                self.log.event("lora_dropout_recomputed", modules=recompute_lora_dropout(model))
+                self.log.event("lora_dropout_recomputed", **recompute_lora_dropout(
+                    model, product_inputs=keeps_product_inputs(cfg.gradient_checkpointing)))
         else:
             for name, p in model.named_parameters():
                 if not _is_vision(name):
@@ -514,7 +518,19 @@ class Recipe:
                                                  decay_ratio=cfg.decay_ratio))
 
         optimizer = None
-        if "optimizer" not in self.ds_config:
+        if plain_adamw_applies(zero_stage=self.zero_stage, deepspeed_file=cfg.deepspeed is not None,
+                               enabled=plain_adamw_switched_on(vars(cfg))):
+            # DeepSpeed casts the parameters to bf16 only when its bf16 mode is on (off here: train/adamw.py), and
+            # moves the model to the device only in initialize: the masters must be made where they will step
+            for p in self.model.parameters():
+                if p.is_floating_point() and p.dtype != self.dtype:
+                    p.data = p.data.to(self.dtype)
+            if any(p.device != self.device for p in self.model.parameters()):  # (a quantized base loads there)
+                self.model.to(self.device)
+            optimizer = MasterWeightAdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                          max_grad_norm=cfg.max_grad_norm)
+            self.log.event("plain_adamw", tensors=len(params), fused=bool(optimizer.defaults.get("fused")))
+        elif "optimizer" not in self.ds_config:
             optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         if self.zero_stage == 3 and cfg.zero3_leaf:
             leaves = mark_leaf_layers(self.model)
@@ -534,6 +550,8 @@ class Recipe:
                                                            own_zero3=own_zero3_settings(vars(cfg))):
             self.log.event("frozen_kept_resident", replaced=keep_frozen_resident(engine.optimizer))
         self.log.event("one_rank_allreduce_skipped", skipped=skip_one_rank_allreduce(engine, self.world_size))
+        if isinstance(optimizer, MasterWeightAdamW):
+            clear_gradients_through(engine, optimizer)
         if engine.zero_optimization_stage() != self.zero_stage:
             raise RuntimeError(f"DeepSpeed runs ZeRO stage {engine.zero_optimization_stage()}, the resolved config "
                                f"says {self.zero_stage}")

@@ -59,7 +59,9 @@ from typing import Sequence
 from train.activations import Checkpointing
 from train.config import keeps_parameters_whole, own_zero3_settings
 from train.flops import layer_forward_flops
-from train.lora_dropout import applies as lora_dropout_recomputed, switched_on as lora_dropout_switched_on
+from train.adamw import applies as plain_adamw_applies, switched_on as plain_adamw_switched_on
+from train.lora_dropout import (applies as lora_dropout_recomputed, keeps_product_inputs,
+                                switched_on as lora_dropout_switched_on)
 from train.shapes import LayerShape, ModelShape
 
 GIB = 2**30
@@ -108,10 +110,13 @@ class Setup:
     lora_r: int = 8
     lora_dropout: bool = True  # dropout > 0 saves a copy of each LoRA input
     recompute_lora_dropout: bool = True  # ... unless it is drawn again in backward (train/lora_dropout.py)
+    recompute_mlp_product: bool = True  # ... and then, where layers are checkpointed, the down projection's
+    # branch keeps SwiGLU's gate and up, not their product (False: measured before that, train/lora_dropout.py)
     keeps_outputs: bool = False  # the caller holds the model outputs (logits) through backward
     fused_kernels: bool = False  # liger's RMSNorm / SwiGLU (train/kernels.py): bf16 norm inputs, no MLP act copy
     linear_attention: str = "torch"  # Qwen3.5's gated-delta-rule kernel: fla | torch (what it saves differs)
     own_zero3: bool = True  # ZeRO-3's persistence left to train.main (train.config.own_zero3_settings)
+    plain_adamw: bool = True  # stage 0 steps the trainer's AdamW (train/adamw.py): on one GPU stage 0 replaces 2
     exact: bool = True  # computes the same loss as the reference (a quantized base does not)
 
     def name(self) -> str:
@@ -152,7 +157,8 @@ class Prediction:
 
 
 def layer_bytes_per_token(layer: LayerShape, shape: ModelShape, *, lora_dropout: bool, act: int = 2,
-                          fused: bool = False, linear_kernel: str = "torch", zero3: bool = False) -> float:
+                          fused: bool = False, linear_kernel: str = "torch", zero3: bool = False,
+                          product: bool = True) -> float:
     """Bytes one decoder layer saves for backward per token (bf16 activations, fp32 where the code upcasts).
     `fused` (liger's kernels): an RMSNorm keeps its bf16 input (and one fp32 rstd per row) instead of an fp32
     copy, SwiGLU keeps gate and up and recomputes the activation (one H200, 4B at 64 frames without
@@ -173,7 +179,9 @@ def layer_bytes_per_token(layer: LayerShape, shape: ModelShape, *, lora_dropout:
     # or a trainable base weight. With LoRA dropout only the dropout outputs (above) are kept: the frozen
     # base needs no input, so the norms' bf16 outputs and the MLP's product go once the layer has run.
     shared = 0 if lora_dropout and not zero3 else act
-    mlp = f32 * H + shared * H + (2 if fused else 3) * act * I + shared * I  # norm, input, gate / act / up, product
+    # norm, input, gate / act / up, and the product (the down projection's input) unless its LoRA branch keeps
+    # gate and up instead (`product` False: train/lora_dropout.py keeps_product_inputs)
+    mlp = f32 * H + shared * H + (2 if fused else 3) * act * I + (shared * I if product else 0)
     if layer.kind == "full_attention":
         q, kv = layer.q, layer.kv
         mixer = (f32 * H + shared * H  # input norm (fp32) and the q/k/v projections' shared input
@@ -237,12 +245,14 @@ def predict(shape: ModelShape, work: Workload, setup: Setup, *, world: int = 1, 
                                                              own_zero3=setup.own_zero3)
     # LoRA dropout drawn again in backward keeps what LoRA without dropout keeps
     lora = setup.finetune == "lora"
-    dropout_kept = lora and setup.lora_dropout and not lora_dropout_recomputed(
+    recomputed = lora_dropout_recomputed(
         lora=lora, lora_dropout=float(setup.lora_dropout), zero_stage=stage, quantized=bool(setup.quantize_base),
         enabled=setup.recompute_lora_dropout)
+    dropout_kept = lora and setup.lora_dropout and not recomputed
+    product = not (recomputed and setup.recompute_mlp_product and keeps_product_inputs(setup.checkpointing))
     per_layer = [layer_bytes_per_token(layer, shape, lora_dropout=dropout_kept,
                                        fused=setup.fused_kernels, linear_kernel=setup.linear_attention,
-                                       zero3=zero3_linear, act=act) for layer in shape.layers]
+                                       zero3=zero3_linear, act=act, product=product) for layer in shape.layers]
     boundaries = len(ckpt) * T * shape.hidden * act  # also with offload_activations: measured (module docstring)
     if setup.keep_attention:  # the sdpa output (bf16) and its log-sum-exp (fp32 per head) of each full-attention one
         boundaries += sum(T * (act * layer.q + 4 * shape.heads) for i, layer in enumerate(shape.layers)
@@ -280,12 +290,13 @@ def candidates(*, world: int, loss: str = "chunked", finetune: str = "lora", lor
                checkpointing: str | None = None, offload_optimizer: bool = False,
                offload_params: bool = False, fused_kernels: bool = False,
                linear_attention: str = "torch", keep_attention: bool = False, own_zero3: bool = True,
-               recompute_lora_dropout: bool = True) -> list[Setup]:
+               recompute_lora_dropout: bool = True, plain_adamw: bool = True) -> list[Setup]:
     """Configurations fastest first. Fixed choices (a given stage or checkpointing) narrow the list; a
     quantized base is included only when asked for (it changes the model, so auto never picks it alone)."""
     common = dict(loss=loss, finetune=finetune, lora_r=lora_r, lora_dropout=lora_dropout,
                   vision_chunk_frames=vision_chunk_frames, fused_kernels=fused_kernels,
-                  linear_attention=linear_attention, own_zero3=own_zero3, recompute_lora_dropout=recompute_lora_dropout)
+                  linear_attention=linear_attention, own_zero3=own_zero3, recompute_lora_dropout=recompute_lora_dropout,
+                  plain_adamw=plain_adamw)
     order: list[dict] = [dict(zero_stage=2, checkpointing="none"),
                          dict(zero_stage=2, checkpointing="all"), dict(zero_stage=3, checkpointing="all"),
                          dict(zero_stage=3, checkpointing="all", offload_optimizer=True),
@@ -301,6 +312,9 @@ def candidates(*, world: int, loss: str = "chunked", finetune: str = "lora", lor
             if o["zero_stage"] == 3:
                 continue  # bitsandbytes weights are not ZeRO-3 partitioned
             o["quantize_base"] = quantize_base
+        if world == 1 and plain_adamw and o["zero_stage"] == 2 and not o.get("offload_optimizer"):
+            # one rank: ZeRO-2 partitions nothing; stage 0 keeps the same bytes and steps the trainer's AdamW
+            o["zero_stage"] = 0
         if zero_stage is not None and o["zero_stage"] != zero_stage:
             o["zero_stage"] = zero_stage
         if checkpointing is not None:
@@ -513,7 +527,9 @@ def config_levers(cfg: dict) -> dict:
     undecided "auto" plans for the torch fallback, which keeps more."""
     return {"linear_attention": "fla" if cfg.get("linear_attention") == "fla" else "torch",
             "keep_attention": cfg.get("recompute_attention") is False, "own_zero3": own_zero3_settings(cfg),
-            "recompute_lora_dropout": lora_dropout_switched_on(cfg)}
+            "recompute_lora_dropout": lora_dropout_switched_on(cfg),
+            "plain_adamw": plain_adamw_applies(zero_stage=0, deepspeed_file=cfg.get("deepspeed") is not None,
+                                               enabled=plain_adamw_switched_on(cfg))}  # what stage 0 would step
 
 
 def auto_config(cfg, shape: ModelShape, work: Workload, *, world: int, gpu_mem_gib: float):

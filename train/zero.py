@@ -43,10 +43,13 @@ def skip_one_rank_allreduce(engine, world_size: int) -> bool:
             or engine.has_moe_layers or engine.pipeline_parallelism):
         return False
 
+    # the trainable tensors, listed once: walking every module after each backward is ~2,500 modules on the 4B
+    trainable = [p for p in engine.module.parameters() if p.requires_grad and p.numel()]
+
     def allreduce_gradients(self, bucket_size=None):
         if self.is_gradient_accumulation_boundary():
-            for p in self.module.parameters():
-                if p.requires_grad and p.numel() and p.grad is None:
+            for p in trainable:
+                if p.grad is None:
                     p.grad = torch.zeros(p.size(), dtype=p.dtype, device=p.device)
 
     engine.allreduce_gradients = types.MethodType(allreduce_gradients, engine)
