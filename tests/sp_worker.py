@@ -18,11 +18,11 @@ import torch.distributed as dist
 
 def lora_model(model_dir: str):
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForImageTextToText
+    from train.models import load_pretrained
 
     from train.config import DEFAULT_LORA_TARGETS
 
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = load_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     model.config.use_cache = False
     for p in model.parameters():
         p.requires_grad_(False)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from train.loss import LossSpec, causal_lm_loss
+from train.models import load_pretrained
 
 REL = 1e-2
 TWO = ["vid_a/w0002", "vid_c/w0000"]  # a landscape and a portrait window: different grids and lengths
@@ -31,11 +32,10 @@ def _batch(model_dir: Path, shards: Path, ids: list[str]) -> dict[str, torch.Ten
 def _lora(model_dir: Path, *, seed: int = 0, attn: str = "sdpa", checkpointing: bool = True, dropout: float = 0.0):
     """The trainer's LoRA setup in miniature: frozen base, checkpointing, LoRA (no dropout unless asked) on the LLM."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForImageTextToText
 
     from train.config import DEFAULT_LORA_TARGETS
 
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn)
+    model = load_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn)
     model.config.use_cache = False
     for p in model.parameters():
         p.requires_grad_(False)
@@ -72,11 +72,10 @@ REFERENCE = LossSpec(impl="torch", full_logits=True)  # the model's own loss ove
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
 def test_chunked_vision_gives_the_model_own_embeddings(tiny_cache, family):
     """Two videos of different grids; chunks that split a video, span two videos, or hold everything."""
-    from transformers import AutoModelForImageTextToText
 
     from train.vision import encode_videos, plan_chunks
 
-    model = AutoModelForImageTextToText.from_pretrained(tiny_cache / f"tiny_{family}", dtype=torch.float32).eval()
+    model = load_pretrained(tiny_cache / f"tiny_{family}", dtype=torch.float32).eval()
     grids = torch.tensor([[8, 6, 10], [5, 4, 4]])
     torch.manual_seed(0)
     pixels = torch.randn(int(grids.prod(-1).sum()), 3 * 2 * 16 * 16)
@@ -139,7 +138,7 @@ def test_attention_paths_and_checkpointing_levels_give_the_same_loss_and_gradien
 def test_no_dense_mask_reaches_attention_when_causal_suffices(tiny_cache, built_shards):
     """One unpadded sample: the language model's attention gets no mask (sdpa runs is_causal); a padded
     batch still gets one."""
-    from transformers import AttentionInterface, AttentionMaskInterface, AutoModelForImageTextToText
+    from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
 
@@ -153,7 +152,7 @@ def test_no_dense_mask_reaches_attention_when_causal_suffices(tiny_cache, built_
     AttentionInterface.register("probe_sdpa", probe)
     AttentionMaskInterface.register("probe_sdpa", sdpa_mask)
     model_dir = tiny_cache / "tiny_qwen3_vl"
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="probe_sdpa")
+    model = load_pretrained(model_dir, dtype=torch.float32, attn_implementation="probe_sdpa")
     with torch.no_grad():
         causal_lm_loss(model, _batch(model_dir, built_shards, TWO[:1]), LossSpec(impl="torch"))
         assert seen and all(s is None for s in seen), seen
@@ -164,11 +163,10 @@ def test_no_dense_mask_reaches_attention_when_causal_suffices(tiny_cache, built_
 
 def test_chunked_loss_trains_a_trainable_lm_head_like_the_model_loss(tiny_cache, built_shards):
     """Full fine-tune (lm_head tied to the trained embeddings): its gradient through the chunked loss too."""
-    from transformers import AutoModelForImageTextToText
 
     model_dir = tiny_cache / "tiny_qwen3_vl"
     batch = _batch(model_dir, built_shards, TWO)
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).train()
+    model = load_pretrained(model_dir, dtype=torch.float32).train()
     for name, p in model.named_parameters():
         p.requires_grad_(".visual." not in f".{name}")
     ref = _loss_and_grads(model, batch, REFERENCE)
@@ -445,6 +443,12 @@ def test_compiled_decoder_layers_give_the_eager_loss_and_gradients(tiny_cache, b
     torch._dynamo.reset()
 
 
+def test_models_load_with_the_hubs_kernels_off(tiny_cache):
+    """transformers >= 5.25 kernelizes every model from_pretrained loads unless told not to (kernels fetched
+    from the Hub, which offline clusters never reach): the package's one loader tells it not to."""
+    assert not load_pretrained(tiny_cache / "tiny_qwen3_vl", dtype=torch.float32).use_kernels
+
+
 def test_offloaded_checkpoints_save_host_copies_not_the_layer_inputs(tiny_cache, built_shards):
     """--offload-activations: among every tensor autograd keeps for backward (seen through saved-tensor hooks
     around the forward), none shares storage with a decoder layer's input; each checkpointed layer keeps its
@@ -525,11 +529,10 @@ def test_batched_vision_attention_gives_the_tower_own_features_in_one_call_per_b
     model's own features; unequal groups (two grids) fall back to transformers' forward, same features."""
     from unittest import mock
 
-    from transformers import AutoModelForImageTextToText
 
     from train.kernels import batch_vision_attention
 
-    model = AutoModelForImageTextToText.from_pretrained(tiny_cache / f"tiny_{family}", dtype=torch.float32,
+    model = load_pretrained(tiny_cache / f"tiny_{family}", dtype=torch.float32,
                                                         attn_implementation="sdpa").eval()
     blocks = len(model.model.visual.blocks)
     cases = {"one video": [[6, 4, 6]], "two equal videos": [[4, 4, 6], [2, 4, 6]], "two grids": [[4, 6, 10], [3, 4, 4]]}

@@ -263,9 +263,18 @@ def compile_layers(model, backend: str = "inductor") -> int:
     """`--compile`: torch.compile each language-model decoder layer in place (regional compilation: the
     layers share one compiled graph, plus one for the first layer, whose input needs no gradient), after LoRA
     and checkpointing are set up so both are inside the graph. Fuses the elementwise work between the matmuls
-    (norms, rotary, SwiGLU, LoRA scaling, residuals) and cuts kernel launches. Returns the layers compiled."""
+    (norms, rotary, SwiGLU, LoRA scaling, residuals) and cuts kernel launches. Returns the layers compiled.
+
+    transformers >= 5.25 requires the `kernels` package, whose wrapper around each attention forward sets and
+    resets a context variable (which rotary function is active). Under activation checkpointing dynamo refuses
+    to trace a side effect it cannot replay in the recomputed forward and ran the whole layer eager; this one
+    needs no replay (set and reset within the call, read only inside it), so the layers are traced with
+    forward side effects not replayed in backward (tests/test_levers.py compares loss and gradients)."""
+    import torch._dynamo
+
     from train.activations import decoder_layers
 
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     layers = decoder_layers(model.get_base_model() if hasattr(model, "get_base_model") else model)
     for layer in layers:
         layer.compile(backend=backend)

@@ -76,7 +76,7 @@ from train.memory import (
     record_allocations,
     summary_table,
 )
-from train.models import detect_family, ensure_tiny_model
+from train.models import detect_family, ensure_tiny_model, load_pretrained
 from train.ledger import append_ledger, check_ledger
 from train.activations import Checkpointing, apply_checkpointing
 from train.kernels import (
@@ -422,7 +422,6 @@ class Recipe:
         return pad if pad is not None else self.model_config.text_config.pad_token_id or 0
 
     def _load_model(self):
-        from transformers import AutoModelForImageTextToText
         from transformers.integrations import HfDeepSpeedConfig
 
         self.log.event("load_start", model_dir=str(self.model_dir), family=self.family, zero_stage=self.zero_stage)
@@ -437,7 +436,7 @@ class Recipe:
             record = False
         self._recording_allocations = record_allocations(record)  # until step 0 ends
         with self.tracker.phase("load", 0):
-            model, info = AutoModelForImageTextToText.from_pretrained(
+            model, info = load_pretrained(
                 self.model_dir, dtype=self.dtype, output_loading_info=True, attn_implementation=self.cfg.attention,
                 **from_pretrained_kwargs(self.cfg.quantize_base, self.local_rank))
             model.config.use_cache = False

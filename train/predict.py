@@ -32,6 +32,7 @@ from schemas.shard import ShardError
 from schemas.predictions import PredictionRow, read_predictions, write_predictions
 from train.answer_parse import parse_output
 from train.data import MANIFEST, LoadedSample, SampleStore, VisionSpec, collate, preflight
+from train.models import load_pretrained
 from train.scores import segment_scores, token_ends
 from train.segments import to_source
 
@@ -120,9 +121,7 @@ def load_tokenizer_for(model_dir: Path, shards: Path):
 
 def load_model(model_dir: Path, adapter: Path | None, device: torch.device, dtype: torch.dtype):
     """Base model (+ trainable non-LoRA tensors + LoRA adapter), in eval mode on device."""
-    from transformers import AutoModelForImageTextToText
-
-    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=dtype)
+    model = load_pretrained(model_dir, dtype=dtype)
     if adapter is not None:
         from peft import PeftModel
 

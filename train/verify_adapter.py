@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from train.checkpoint import ADAPTER_DIR, DIGESTS, MODEL_DIR, NON_LORA, tensor_sha256
+from train.models import load_pretrained
 
 
 def _dtype(run: dict) -> torch.dtype:
@@ -63,7 +64,6 @@ def _bar(total: int, progress: bool):
 def verify_lora(run_dir: Path, run: dict, base: Path, progress: bool = False) -> tuple[int, list[tuple[str, str]]]:
     from peft import PeftModel
     from safetensors.torch import load_file
-    from transformers import AutoModelForImageTextToText
 
     adapter = run_dir / ADAPTER_DIR
     files = {"adapter_model.safetensors": load_file(str(adapter / "adapter_model.safetensors"))}
@@ -72,7 +72,7 @@ def verify_lora(run_dir: Path, run: dict, base: Path, progress: bool = False) ->
     digests = json.loads((adapter / DIGESTS).read_text())
     problems = _digest_problems(files, {k: v for k, v in digests.items() if v or k in files})
 
-    model = AutoModelForImageTextToText.from_pretrained(base, dtype=_dtype(run))
+    model = load_pretrained(base, dtype=_dtype(run))
     if NON_LORA in files:
         missing = [k for k in files[NON_LORA] if k not in dict(model.named_parameters())]
         problems += [(k, f"{NON_LORA}:{k}: no such base model parameter") for k in missing]
@@ -102,13 +102,12 @@ def verify_lora(run_dir: Path, run: dict, base: Path, progress: bool = False) ->
 
 def verify_full(run_dir: Path, run: dict, progress: bool = False) -> tuple[int, list[tuple[str, str]]]:
     from safetensors.torch import load_file
-    from transformers import AutoModelForImageTextToText
 
     model_dir = run_dir / MODEL_DIR
     files = {p.name: load_file(str(p)) for p in sorted(model_dir.glob("*.safetensors"))}
     digests = json.loads((model_dir / DIGESTS).read_text())
     problems = _digest_problems(files, {k: v for k, v in digests.items()})
-    model, info = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=_dtype(run), output_loading_info=True)
+    model, info = load_pretrained(model_dir, dtype=_dtype(run), output_loading_info=True)
     for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
         if info.get(kind):
             problems.append(("", f"from_pretrained reports {kind}: {sorted(map(str, info[kind]))[:20]}"))
