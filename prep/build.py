@@ -33,7 +33,7 @@ from prep import answers as answers_mod
 from prep.annotations import check_segments, load_annotations
 from prep.budget import FPS_MAX_FRAMES, FPS_MIN_FRAMES, PATCH_SIZE, FramePlan, VideoBudget, group_times, plan_frames
 from prep.decode import RESIZE, DecodeError, decode_windows, encode_windows, read_ahead
-from prep.decoders import BACKENDS, DEFAULT_BACKEND
+from prep.decoders import BACKENDS, DECORD_EXACT_CODECS, DEFAULT_BACKEND, EXACT_FALLBACK, backend_for
 from prep.decoders import available as decoder_available
 from prep.gpu import BACKEND as GPU_BACKEND
 from prep.gpu import GPU_WORKERS
@@ -568,7 +568,7 @@ def _process_file(jobs: list[VideoJob], s: WorkerSettings, tokenizer, pool: Exec
             decoded = gpu.decode_windows(probe.path, indices, rotation=probe.rotation, size=(probe.height, probe.width))
             windows = _timed(gpu.encode_windows(decoded, sizes, s.jpeg_quality), t, "gpu_s", beat=probe.path)
         else:
-            decoded = read_ahead(_timed(decode_windows(probe.path, indices, backend=s.decoder,
+            decoded = read_ahead(_timed(decode_windows(probe.path, indices, backend=backend_for(s.decoder, probe.codec),
                                                        num_threads=s.decode_threads, rotation=probe.rotation),
                                         t, "decode_s", beat=probe.path))
             windows = encode_windows(decoded, sizes, s.jpeg_quality, pool)
@@ -914,7 +914,7 @@ def _build_locked(config: BuildConfig, pool: Pool) -> dict:
         model_family=config.model_family,
         prompt=PromptInfo(layout=config.prompt_layout, transformers=versions.get("transformers")),
         tokenizer=tok_info,
-        decode=_decode_info(config),
+        decode=_decode_info(config, set(samples.column("source_codec").to_pylist())),
         answer_format=ANSWER_FORMAT,
         versions=versions,
         shard_files=[ShardFile(name=s["shard"], sha256=s["sha256"], bytes=s["bytes"], samples=s["samples"],
@@ -928,11 +928,13 @@ def _build_locked(config: BuildConfig, pool: Pool) -> dict:
     return dataclasses.asdict(summary)
 
 
-def _decode_info(config: BuildConfig) -> DecodeInfo:
+def _decode_info(config: BuildConfig, codecs: set[str]) -> DecodeInfo:
+    """codecs: those of the build's samples, each recorded with the backend that decoded it."""
     if config.device == "cuda":
         return DecodeInfo(backend=GPU_BACKEND, resize=GPU_RESIZE, jpeg_quality=config.jpeg_quality, device="cuda",
-                          jpeg_encoder=GPU_JPEG)
-    return DecodeInfo(backend=config.decoder, resize=RESIZE, jpeg_quality=config.jpeg_quality, device="cpu")
+                          jpeg_encoder=GPU_JPEG, backends={c: GPU_BACKEND for c in sorted(codecs)})
+    return DecodeInfo(backend=config.decoder, resize=RESIZE, jpeg_quality=config.jpeg_quality, device="cpu",
+                      backends={c: backend_for(config.decoder, c) for c in sorted(codecs)})
 
 
 def _part_summary(config: BuildConfig, tasks: list[ShardTask], mine: list[ShardTask], pending: list[ShardTask],
@@ -1125,12 +1127,16 @@ def parser() -> argparse.ArgumentParser:
     a("--jpeg-quality", type=int, default=95, help="JPEG quality of the stored frames")
     a("--decoder", choices=BACKENDS, default=DEFAULT_BACKEND,
       help="video decoder (prep/decoders.py): decord, torchcodec (needs the system FFmpeg libraries) or pyav "
-           "(fallback); same frame indices and timestamps, pixels within 1 level (README); the probe uses decord")
+           f"(fallback); same frame indices and timestamps, pixels within 1 level (README); the probe uses decord. decord "
+           f"decodes only {', '.join(DECORD_EXACT_CODECS)}: it returns neighbouring frames on HEVC and MPEG-4 with "
+           f"B-frames, so other codecs "
+           f"are decoded by {EXACT_FALLBACK} (build.json decode.backends says which)")
     a("--device", choices=DEVICES, default="cpu",
       help="cpu: --decoder + torch resize + PIL JPEG in --workers processes; cuda: NVDEC decode (pip install "
            "pynvvideocodec), GPU resize and nvjpeg (torchvision) in a few processes sharing the GPU (--workers, "
            f"default min(cores, {GPU_WORKERS})); the CPU path's frame indices, colour conversion and resize, nvjpeg's "
-           "own JPEG bytes (prep/gpu.py). Experimental: not yet seen to run on a GPU (BENCHMARKS.md)")
+           "own JPEG bytes (prep/gpu.py). On one H200 it was slower than the same host's 16 CPU cores on 640x360 "
+           "video (BENCHMARKS.md, GPU decode)")
     a("--samples-per-shard", type=int, default=256, help="target samples per shard (whole videos; a shard may hold fewer)")
     a("--shard-size-mb", type=float, default=1024.0, help="soft cap on estimated shard size in MiB (0: none)")
     a("--workers", type=int, default=None,

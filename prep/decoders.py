@@ -21,6 +21,14 @@ must be within mean absolute difference 1.0 level and max 8 levels of decord's p
 decord 0.6.0, torchcodec 0.17.0 (FFmpeg 5.1) and PyAV 18.1: identical (difference 0) on all three clips.
 All three convert YUV to RGB with FFmpeg's swscale defaults, which is why they agree.
 
+Codecs decord gets wrong: in HEVC and MPEG-4 part 2 streams with B-frames it returns, for frame i, a frame 1-4
+before or after it (pixel for pixel that other frame; HEVC from a later GOP on, MPEG-4 from the first B-frame on; PyAV and
+torchcodec agree with each other), so a decord build would silently train on neighbouring frames with the wrong
+timestamps. decord
+decodes only the codecs it was shown exact on (DECORD_EXACT_CODECS, each tested against PyAV across GOPs); a file
+of any other codec is decoded by PyAV, forward from the start (exact by construction; always installed: the probe
+uses it). `backend_for` is that rule; build.json records what decoded each codec (decode.backends).
+
 Rotation: decord and torchcodec (0.17) apply a display rotation of a multiple of 90 degrees themselves; PyAV
 returns coded frames, rotated here by the probe's rotation (counter-clockwise), so every backend returns what
 decord does (tested on a 90-degree clip; 180 and 270 checked by hand).
@@ -36,6 +44,10 @@ import numpy as np
 BACKENDS = ("decord", "torchcodec", "pyav")
 DEFAULT_BACKEND = "decord"
 PACKAGE = {"decord": "decord", "torchcodec": "torchcodec", "pyav": "av"}  # what to pip install for each
+# the codecs (PyAV names) decord's frames equal PyAV's on, across GOPs with B-frames (tests/test_decoders.py);
+# mjpeg is intra-only, so a seek cannot land off
+DECORD_EXACT_CODECS = ("h264", "vp9", "mjpeg")
+EXACT_FALLBACK = "pyav"
 
 
 class DecodeError(RuntimeError):
@@ -54,6 +66,14 @@ def open_reader(backend: str, path: str, *, num_threads: int = 1, rotation: int 
     if backend not in _READERS:
         raise ValueError(f"unknown decoder {backend!r}; one of {BACKENDS}")
     return _READERS[backend](path, num_threads=num_threads, rotation=rotation)
+
+
+def backend_for(requested: str, codec: str) -> str:
+    """The backend that decodes a file of `codec` (the probe's PyAV codec name) when the build asks for
+    `requested`: decord only on DECORD_EXACT_CODECS, PyAV on the others; any other request as asked."""
+    if requested == "decord" and codec not in DECORD_EXACT_CODECS:
+        return EXACT_FALLBACK
+    return requested
 
 
 def available(backend: str, *, isolated: bool = False) -> str | None:

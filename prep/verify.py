@@ -13,8 +13,8 @@ Checks, each problem naming its shard and sample:
   budget    frame indices, times, size and grid equal prep.budget.plan_frames() for the source facts the
             manifest records (fps, frames, size)
   source    the sources as probed now still have those facts (skipped with --skip-source)
-  redecode  for a seeded random subset, the stored JPEGs match the source frames decoded by plain decord
-            and resized like the build (mean absolute difference under a JPEG-noise threshold)
+  redecode  for a seeded random subset, the stored JPEGs match the source frames decoded in one batch by the
+            codec's reference decoder (decord; PyAV where decord's seeks are off) and resized like the build (mean absolute difference under a JPEG-noise threshold)
 Problems are data (listed, exit 1); a bug in this module crashes.
 """
 from __future__ import annotations
@@ -33,6 +33,7 @@ import numpy as np
 from PIL import Image
 
 from prep.budget import SPATIAL_MERGE, FramePlan, VideoBudget, group_times, plan_frames
+from prep.decoders import DEFAULT_BACKEND, DecodeError, backend_for, open_reader
 from schemas.build import BuildRecord, ShardFile
 from schemas.manifest import RejectRecord, SampleRecord, read_records
 from schemas.shard import ShardError, ShardReader, ShardSample
@@ -232,14 +233,19 @@ def _check_budget(rec: SampleRecord, budget: VideoBudget, max_input_tokens: int 
 
 
 def _redecode(rec: SampleRecord, source: Path, frames: list[bytes], max_diff: float, report: VerifyReport) -> None:
-    """Plain decord (not the build's chunked decoder) + PIL bicubic, vs the stored JPEGs."""
-    import decord
-
+    """The sample's frames decoded again in one batch (not the build's windowed decoder) by the reference
+    decoder of its codec (decord, or PyAV for the codecs decord's seeks get wrong: prep/decoders.py backend_for)
+    + PIL bicubic, vs the stored JPEGs."""
+    backend = backend_for(DEFAULT_BACKEND, rec.source_codec)
     try:
-        decoded = decord.VideoReader(str(source), ctx=decord.cpu(0)).get_batch(rec.frame_indices).asnumpy()
-    except (decord.DECORDError, RuntimeError) as e:
+        reader = open_reader(backend, str(source), rotation=rec.source_rotation)
+        try:
+            decoded = reader.get_batch(rec.frame_indices)
+        finally:
+            reader.close()
+    except DecodeError as e:
         report.problems.append(Problem(check="redecode", shard=rec.shard, sample_id=rec.sample_id,
-                                       detail=f"decord cannot decode frames {_short(rec.frame_indices)} of {source}: {e}"))
+                                       detail=f"{backend} cannot decode frames {_short(rec.frame_indices)} of {source}: {e}"))
         return
     diffs = []
     for i, frame in enumerate(decoded):

@@ -61,6 +61,9 @@ class DecodeInfo:
     jpeg_quality: int  # JPEG quality of the stored frames
     device: str = "cpu"  # where decode, resize and JPEG ran: cpu | cuda (prep/gpu.py); older files: cpu
     jpeg_encoder: str = "PIL (libjpeg-turbo)"  # what wrote the JPEG bytes (nvjpeg under --device cuda)
+    # codec (PyAV name) -> the backend that decoded the build's files of it: decord hands the codecs it gets
+    # wrong to PyAV (prep/decoders.py backend_for); older files: {}
+    backends: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -16,7 +16,7 @@ from PIL import Image
 
 from prep.build import BuildConfig, build
 from prep.decode import decode_windows, resize_frame
-from prep.decoders import BACKENDS, DecodeError, available, open_reader
+from prep.decoders import BACKENDS, DECORD_EXACT_CODECS, DecodeError, available, backend_for, open_reader
 from prep.faults import FAULT_ENV
 from prep.probe import probe_video
 from schemas.build import BuildRecord
@@ -142,6 +142,115 @@ def test_a_build_with_each_backend_matches_the_decord_build_and_its_watchdog_hol
         assert max(_mean_diff(a, b) for a, b in zip(ref_frames[sid], frames)) <= MEAN_TOL, sid
     rejects = [(r.video_id, r.reason) for r in read_records(out / "rejects.parquet", RejectRecord)]
     assert rejects == ([("vid_b", "decode_timeout")] * 3 if hang else [])
+
+
+# short GOPs with B-frames where the codec has them; single-threaded encoders, so the bytes (and decord's errors on
+# them) are the same on every run
+GOP_CLIPS = {
+    "h264": ("libx264", {"x264-params": "keyint=30:min-keyint=30:bframes=3:threads=1"}, "mp4", "yuv420p"),
+    "mpeg4": ("mpeg4", {"g": "30", "bf": "2", "threads": "1"}, "mp4", "yuv420p"),
+    "vp9": ("libvpx-vp9", {"g": "30", "threads": "1"}, "webm", "yuv420p"),
+    "mjpeg": ("mjpeg", {}, "mp4", "yuvj420p"),
+    "hevc": ("libx265", {"x265-params": "log-level=error:keyint=30:bframes=4:frame-threads=1:pools=none"}, "mp4",
+             "yuv420p"),
+}
+
+
+def write_gop_clip(folder, codec: str, frames: int = 240, width: int = 160, height: int = 96) -> str:
+    """A random grey texture of 4 px blocks (JPEG keeps it within a few levels) drifting 3 px a frame, so every
+    frame is unlike its neighbours, in `codec`, 30 fps."""
+    import av
+
+    encoder, options, ext, pix_fmt = GOP_CLIPS[codec]
+    path = str(folder / f"{codec}.{ext}")
+    blocks = np.random.default_rng(1).integers(0, 255, size=(height // 4, (width + 3 * frames) // 4 + 1, 1))
+    texture = blocks.repeat(4, axis=0).repeat(4, axis=1).repeat(3, axis=2).astype(np.uint8)  # grey: no chroma loss
+    with av.open(path, "w") as c:
+        s = c.add_stream(encoder, rate=30)
+        s.width, s.height, s.pix_fmt, s.options = width, height, pix_fmt, options
+        if encoder == "libvpx-vp9":
+            s.bit_rate = 400_000
+        for i in range(frames):
+            image = np.ascontiguousarray(np.roll(texture, 3 * i, axis=1)[:, :width])
+            for packet in s.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
+                c.mux(packet)
+        for packet in s.encode():
+            c.mux(packet)
+    return path
+
+
+def nearest_frame(frames: np.ndarray, frame: np.ndarray) -> int:
+    """The number of the frame among `frames` that `frame` is closest to (mean absolute difference)."""
+    return int(np.abs(frames.astype(np.int16) - frame).reshape(len(frames), -1).mean(1).argmin())
+
+
+def _windowed(backend: str, path: str) -> tuple[list[int], np.ndarray]:
+    """Every 7th frame, asked 4 at a time in time order as the build asks (a seek into each later GOP)."""
+    probe = probe_video(path)
+    indices = list(range(0, probe.frames, 7))
+    reader = open_reader(backend, path, rotation=probe.rotation)
+    frames = np.concatenate([reader.get_batch(indices[i:i + 4]) for i in range(0, len(indices), 4)])
+    reader.close()
+    return indices, frames
+
+
+@pytest.mark.parametrize("codec", DECORD_EXACT_CODECS)
+def test_decord_is_exact_across_gops_on_the_codecs_it_decodes(codec, tmp_path):
+    """DECORD_EXACT_CODECS: on each, decord's frames at windowed requests crossing 8 GOPs (B-frames where the
+    codec has them) are PyAV's forward-decoded frames at the same numbers."""
+    import av
+
+    path = write_gop_clip(tmp_path, codec)
+    with av.open(path) as c:
+        assert c.streams.video[0].codec_context.name == codec
+        assert sum(p.is_keyframe for p in c.demux(video=0) if p.size) >= 8
+    indices, decord_frames = _windowed("decord", path)
+    _, pyav_frames = _windowed("pyav", path)
+    for i, a, b in zip(indices, decord_frames, pyav_frames):
+        diff = np.abs(a.astype(np.int16) - b)
+        assert diff.mean() <= MEAN_TOL and diff.max() <= MAX_TOL, (codec, i, diff.mean(), diff.max())
+
+
+@pytest.mark.parametrize("codec", ["hevc", "mpeg4"])
+def test_codecs_decord_gets_wrong_are_decoded_by_pyav(codec, tmp_path):
+    """On HEVC and MPEG-4 part 2 with B-frames decord's windowed requests return a frame 1-4 before or after the
+    one asked (pixel for pixel that other frame). So a --decoder decord build decodes them with PyAV: its stored
+    frames are PyAV's at the planned numbers, build.json says so, and prep verify re-decodes the same way."""
+    from prep.verify import verify_shards
+
+    videos = tmp_path / "videos"
+    videos.mkdir()
+    path = write_gop_clip(videos, codec, frames=480)  # 16 s: two 8 s windows
+    indices, decord_frames = _windowed("decord", path)
+    _, pyav_frames = _windowed("pyav", path)
+    reader = open_reader("pyav", path)
+    every = reader.get_batch(list(range(probe_video(path).frames)))
+    reader.close()
+    off = {i: nearest_frame(every, frame) for i, frame in zip(indices, decord_frames) if nearest_frame(every, frame) != i}
+    assert len(off) >= 5 and all(abs(m - i) <= 4 for i, m in off.items()), off  # the decord bug this rule is for
+    assert backend_for("decord", codec) == "pyav" and backend_for("torchcodec", codec) == "torchcodec"
+
+    (videos / "annotations.jsonl").write_text(f'{{"id": "clip", "video": "{codec}.mp4", "segments": [[1.0, 3.0]]}}\n')
+    out = tmp_path / "out"
+    build(BuildConfig(videos=videos, out=out, **BUILT_SHARDS_ARGS))
+    decode = BuildRecord.read(out).decode
+    assert (decode.backend, decode.backends) == ("decord", {codec: "pyav"})
+    reader = ShardReader(out)
+    records = sorted(read_records(out / "manifest.parquet", SampleRecord), key=lambda r: r.window_index)
+    assert len(records) >= 2
+    for rec in records:
+        resized = np.stack([resize_frame(f, rec.height, rec.width) for f in every]).astype(np.int16)
+        for i, jpeg in zip(rec.frame_indices, reader.read(rec)[1]):
+            stored = np.asarray(Image.open(io.BytesIO(jpeg)).convert("RGB"), np.int16)
+            nearest = int(np.abs(resized - stored).reshape(len(resized), -1).mean(1).argmin())
+            assert nearest == i, (rec.sample_id, i, nearest)  # frame i itself, not a neighbour
+    # what the same build with decord would have stored: its windows decoded by decord the build's way
+    wrong = [(i, nearest_frame(every, frame))
+             for (pos, frames) in decode_windows(path, [r.frame_indices for r in records], backend="decord")
+             for i, frame in zip(records[pos].frame_indices, frames) if nearest_frame(every, frame) != i]
+    assert len(wrong) >= 3, wrong
+    report = verify_shards(out, redecode=100)
+    assert not report.problems and report.redecoded, report.problems
 
 
 def test_read_ahead_keeps_order_raises_after_the_items_before_and_closes_its_source_when_left():
