@@ -15,6 +15,7 @@ import json
 
 import pytest
 
+from schemas.manifest import SampleRecord, read_records
 from train.memplan import GIB, Setup, Workload, candidates, choose, predict
 from train.shapes import ModelShape
 
@@ -203,7 +204,8 @@ def test_plan_cli_reads_the_manifest_and_picks(tiny_cache, built_shards, capsys)
     assert main(["--model", str(tiny_cache / "tiny_qwen3_vl"), "--shards", str(built_shards), "--gpus", "2",
                  "--gpu-mem", "0.05", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["workload"]["tokens"] == 324 and out["workload"]["sample_ids"]  # the longest sample of the build
+    longest = max(r.input_tokens for r in read_records(built_shards / "manifest.parquet", SampleRecord))
+    assert out["workload"]["tokens"] == longest and out["workload"]["sample_ids"]  # the longest sample of the build
     assert out["gpu_mem_gib"] == 0.05 and out["candidates"] and out["pick"]["setup"]
     assert main(["--model", str(tiny_cache / "tiny_qwen3_vl"), "--shards", str(built_shards), "--gpu-mem", "80",
                  "--max-tokens-per-batch", "1100", "--pack"]) == 0

@@ -119,8 +119,10 @@ def test_train_main_sequence_parallel_2_ranks_trains_like_one_process(tiny_cache
     x = load_file(str(tmp_path / "sp" / "adapter" / "adapter_model.safetensors"))
     y = load_file(str(tmp_path / "ref" / "adapter" / "adapter_model.safetensors"))
     assert x.keys() == y.keys() and len(x) > 0
-    scale = max(v.abs().max().item() for v in y.values())
-    assert max((x[k] - y[k]).abs().max().item() for k in x) <= 1e-4 * scale
+    # within 1% of one AdamW step (lr 1e-2): Adam divides each gradient by its own scale, so the fp32 summation
+    # order of the 2-rank all-to-all against one process shows in the weights at ~0.2% of a step (1.8e-5 with
+    # transformers 5.25's attention); a wrong gradient or position moves weights by a whole step
+    assert max((x[k] - y[k]).abs().max().item() for k in x) <= 1e-2 * 1e-2
 
 
 def test_train_main_refuses_sequence_parallel_it_cannot_run(tmp_path):
