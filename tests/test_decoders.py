@@ -253,6 +253,24 @@ def test_codecs_decord_gets_wrong_are_decoded_by_pyav(codec, tmp_path):
     assert not report.problems and report.redecoded, report.problems
 
 
+@pytest.mark.parametrize("codec", ["h264", "hevc"])
+def test_pyav_seeks_to_far_frames_and_gives_the_frames_of_decoding_from_the_start(codec, tmp_path):
+    """PyAV's reader seeks for a request far ahead or behind (a piece of a long video starts mid-file) and still
+    returns the frames a decode from the start numbers so; HEVC's open GOPs (libx265's default) included."""
+    path = write_gop_clip(tmp_path, codec, frames=300)
+    reader = open_reader("pyav", path)
+    every = reader.get_batch(list(range(300)))
+    reader.close()
+    reader = open_reader("pyav", path)
+    for request in ([250, 265, 280], [31, 45, 59], [60, 61], [299], [0, 1]):  # far ahead, behind, a GOP edge, the end
+        before = reader.decoded
+        got = reader.get_batch(request)
+        assert np.array_equal(got, every[request]), (codec, request)
+        if request == [250, 265, 280]:
+            assert reader.decoded - before <= 300 - 250 + 2 * 30 + 8  # from two GOPs before, not from frame 0
+    reader.close()
+
+
 def test_read_ahead_keeps_order_raises_after_the_items_before_and_closes_its_source_when_left():
     import threading
 
