@@ -23,11 +23,11 @@ decord 0.6.0, torchcodec 0.17.0 (FFmpeg 5.1) and PyAV 18.1: identical (differenc
 All three convert YUV to RGB with FFmpeg's swscale defaults, which is why they agree.
 
 Codecs decord gets wrong: in HEVC and MPEG-4 part 2 streams with B-frames it returns, for frame i, a frame 1-4
-before or after it (pixel for pixel that other frame; HEVC from a later GOP on, MPEG-4 from the first B-frame on; PyAV and
-torchcodec agree with each other), so a decord build would silently train on neighbouring frames with the wrong
-timestamps. decord
-decodes only the codecs it was shown exact on (DECORD_EXACT_CODECS, each tested against PyAV across GOPs); a file
-of any other codec is decoded by PyAV (frames identified by timestamp; always installed: the probe uses it). `backend_for` is that rule; build.json records what decoded each codec (decode.backends).
+before or after it (pixel for pixel that other frame; HEVC from a later GOP on, MPEG-4 from the first B-frame on;
+PyAV and torchcodec agree with each other), so a decord build would silently train on neighbouring frames with the
+wrong timestamps. decord decodes only the codecs it was shown exact on (DECORD_EXACT_CODECS, each tested against
+PyAV across GOPs); a file of any other codec is decoded by PyAV (frames identified by timestamp; always installed:
+the probe uses it). `backend_for` is that rule; build.json records what decoded each codec (decode.backends).
 
 Rotation: decord and torchcodec (0.17) apply a display rotation of a multiple of 90 degrees themselves; PyAV
 returns coded frames, rotated here by the probe's rotation (counter-clockwise), so every backend returns what

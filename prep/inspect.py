@@ -92,6 +92,7 @@ def inspect_shards(path: str | Path) -> dict:
         "jpeg_quality": config.get("jpeg_quality"),
         "budget": build.budget,
         "prompt_layout": build.prompt.layout,
+        "decoders": build.decode.backends or {"?": build.decode.backend},  # codec -> backend (older builds: backend)
         "rejects": len(rejects),
         "rejects_by_reason": dict(sorted(Counter(r.reason for r in rejects).items())),
         "rejects_by_stage": dict(sorted(Counter(r.stage for r in rejects).items())),
@@ -108,6 +109,7 @@ def summary_lines(s: dict) -> list[str]:
         f"budget: {b.get('model_family')} {b.get('video_min_tokens')}-{b.get('video_max_tokens')} tokens/frame, "
         f"{b.get('fps')} fps, frames {b.get('min_frames')}-{b.get('max_frames')}, "
         f"max input tokens {s['max_input_tokens']}, jpeg quality {s['jpeg_quality']}, prompt layout {s['prompt_layout']}",
+        "decoded by: " + ", ".join(f"{codec} -> {backend}" for codec, backend in s["decoders"].items()),
     ]
     for name in ("num_frames", "visual_tokens", "text_tokens", "supervised_tokens", "input_tokens"):
         st = s[name]

@@ -148,6 +148,7 @@ def test_inspect_prints_the_counts(built_shards):
     assert f"{len(recs)} samples ({len(recs) - negatives} with segments, {negatives} negatives) from 4 videos" in result.stdout
     assert f"num_frames: total {sum(r.num_frames for r in recs)}" in result.stdout
     assert "num_frames per sample:" in result.stdout and "rejects: 0" in result.stdout
+    assert "decoded by: h264 -> decord" in result.stdout
     s = inspect_shards(built_shards)
     assert s["input_tokens"]["total"] == sum(r.input_tokens for r in recs)
     assert s["budget"]["video_max_tokens"] == 64
