@@ -1127,10 +1127,9 @@ def parser() -> argparse.ArgumentParser:
     a("--jpeg-quality", type=int, default=95, help="JPEG quality of the stored frames")
     a("--decoder", choices=BACKENDS, default=DEFAULT_BACKEND,
       help="video decoder (prep/decoders.py): decord, torchcodec (needs the system FFmpeg libraries) or pyav "
-           f"(fallback); same frame indices and timestamps, pixels within 1 level (README); the probe uses decord. decord "
-           f"decodes only {', '.join(DECORD_EXACT_CODECS)}: it returns neighbouring frames on HEVC and MPEG-4 with "
-           f"B-frames, so other codecs "
-           f"are decoded by {EXACT_FALLBACK} (build.json decode.backends says which)")
+           "(fallback); same frame indices and timestamps, pixels within 1 level (README); the probe uses decord. "
+           f"decord decodes only {', '.join(DECORD_EXACT_CODECS)}: it returns neighbouring frames on HEVC and "
+           f"MPEG-4 with B-frames, so other codecs are decoded by {EXACT_FALLBACK} (build.json decode.backends)")
     a("--device", choices=DEVICES, default="cpu",
       help="cpu: --decoder + torch resize + PIL JPEG in --workers processes; cuda: NVDEC decode (pip install "
            "pynvvideocodec), GPU resize and nvjpeg (torchvision) in a few processes sharing the GPU (--workers, "

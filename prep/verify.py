@@ -14,7 +14,8 @@ Checks, each problem naming its shard and sample:
             manifest records (fps, frames, size)
   source    the sources as probed now still have those facts (skipped with --skip-source)
   redecode  for a seeded random subset, the stored JPEGs match the source frames decoded in one batch by the
-            codec's reference decoder (decord; PyAV where decord's seeks are off) and resized like the build (mean absolute difference under a JPEG-noise threshold)
+            codec's reference decoder (decord; PyAV where decord's seeks are off) and resized like the build
+            (mean absolute difference under a JPEG-noise threshold)
 Problems are data (listed, exit 1); a bug in this module crashes.
 """
 from __future__ import annotations

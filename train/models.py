@@ -36,9 +36,8 @@ def detect_family(model_dir: str | Path) -> str:
 def load_pretrained(model_dir: str | Path, **kwargs):
     """`AutoModelForImageTextToText.from_pretrained` as every stage of the package loads a model: with the
     Hub's kernels off. From transformers 5.25 `from_pretrained` kernelizes by default (the `kernels` package
-    swaps layer forwards for kernels fetched from the Hub): offline clusters never reach the Hub, the trainer
-    chooses its kernels itself (train/kernels.py), and the swapped forwards set a context variable, a side
-    effect dynamo cannot trace inside a checkpointed layer, so `--compile` ran those layers eager."""
+    swaps layer forwards for kernels fetched from the Hub): offline clusters never reach the Hub, and the
+    trainer chooses its kernels itself (train/kernels.py)."""
     from transformers import AutoModelForImageTextToText
 
     return AutoModelForImageTextToText.from_pretrained(str(model_dir), use_kernels=False, **kwargs)
