@@ -103,6 +103,8 @@ LEGS: dict[str, tuple[str, ...]] = {
     "zero3-offload-params": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--offload-optimizer",
                              "--offload-params"),
     "pack2": ("--pack", "--max-tokens-per-batch", "{pack_budget}"),
+    # the packed row under transformers' dense block-diagonal mask instead of sdpa per sample (train/packing.py)
+    "pack2-mask": ("--pack", "--max-tokens-per-batch", "{pack_budget}", "--no-segment-attention"),
     # one window split over every rank (train/sequence_parallel.py); {nproc} becomes --nproc
     "zero3-sp": ("--zero-stage", "3", "--gradient-checkpointing", "all", "--sequence-parallel", "{nproc}"),
     "zero2-sp": ("--zero-stage", "2", "--gradient-checkpointing", "all", "--sequence-parallel", "{nproc}"),
@@ -150,6 +152,7 @@ def issue9_matrix() -> list[Leg]:
     legs += [Leg(config="auto-no-recompute-lora-dropout", frames=f) for f in (64, 512)]  # 46-47
     legs += [Leg(config="auto-no-plain-adamw", frames=f) for f in (64, 512)]  # 48-49
     legs += [Leg(config="auto-all-but-19", frames=512)]  # 50
+    legs += [Leg(config="pack2-mask")]  # 51: pack2 (two windows a row) on the dense mask, beside pack2
     return legs
 
 
@@ -432,7 +435,7 @@ def run_leg(leg: Leg, *, out: Path, nproc: int, steps: int, timeout: float, peak
     steps = leg.steps or steps
     # one fresh window per rank and step: with one window per epoch the loader restarts every step and its
     # first load is on the critical path (measured: 33% data wait at 512 frames), which no real run sees
-    samples = samples or max(nproc, 1) * steps * (2 if leg.config == "pack2" else 1)
+    samples = samples or max(nproc, 1) * steps * (2 if leg.config.startswith("pack2") else 1)
     shards = make_shards(work, leg.frames, tokens_per_frame, samples, workers=workers)
     model = make_model(work, leg.size)
     flags = [f.replace("{nproc}", str(max(nproc, 1))) for f in LEGS[leg.config]]

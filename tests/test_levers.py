@@ -225,6 +225,59 @@ def test_packed_row_gives_the_padded_batch_loss_and_gradients(tiny_cache, built_
     assert worst(leaky) > 100 * max(worst(got), 1e-7), (worst(leaky), worst(got))
 
 
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_segment_attention_gives_the_padded_batch_loss_without_a_mask(tiny_cache, built_shards, checkpointing,
+                                                                       monkeypatch):
+    """--segment-attention: the packed row's loss and LoRA gradients equal the right-padded batch's, and every
+    language-model sdpa call is causal over one sample with no mask (flash / cuDNN territory); the dense-mask
+    path it replaces hands sdpa an [L, L] mask. Checkpointing recomputes the attention in backward from the
+    same positions."""
+    import torch.nn.functional as F
+
+    from train.packing import SEGMENT_ATTENTION, use_segment_attention
+    from train.vision import inner_model
+
+    ids = TWO + ["vid_b/w0001"]
+    model_dir = tiny_cache / "tiny_qwen3_vl"
+    padded, packed = _batch(model_dir, built_shards, ids), _packed_batch(model_dir, built_shards, ids)
+    lengths = packed["pack_lengths"].tolist()
+    spec = LossSpec(impl="chunked", vision_no_grad=True, vision_chunk_frames=4)
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, *args, is_causal=False, **kwargs):
+        calls.append((q.shape[2], attn_mask is None, is_causal))
+        return sdpa(q, k, v, attn_mask, *args, is_causal=is_causal, **kwargs)
+
+    model = _lora(model_dir, checkpointing=checkpointing)
+    ref = _loss_and_grads(model, padded, REFERENCE)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    masked = _loss_and_grads(model, packed, spec)  # transformers' block mask over the whole row
+    assert {c[0] for c in calls if c[0] > 200} == {sum(lengths)} and not any(c[1] for c in calls if c[0] > 200)
+    assert use_segment_attention(model) == {"language_model": SEGMENT_ATTENTION, "was": "sdpa"}
+    assert inner_model(model).visual.config._attn_implementation == "sdpa"  # the tower keeps its own
+    calls.clear()
+    got = _loss_and_grads(model, packed, spec)
+    _assert_same(got, ref)
+    _assert_same(got, masked)
+    layers = len(inner_model(model).language_model.layers)
+    text = [c for c in calls if c[0] in lengths]
+    per_pass = layers * len(lengths)
+    assert len(text) == per_pass * (2 if checkpointing else 1), (len(text), per_pass)
+    assert all(no_mask and causal for _, no_mask, causal in text)
+    assert sorted(c[0] for c in text[:per_pass]) == sorted(lengths * layers)
+    assert not any(c[0] == sum(lengths) for c in calls)  # the whole row is never one attention call
+
+
+def test_row_lengths_follow_the_text_positions():
+    from train.packing import row_lengths
+
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    assert row_lengths(pos) == [3, 2, 4]
+    assert row_lengths(pos) is row_lengths(pos)  # read to the host once per row, not once per layer
+    assert row_lengths(torch.arange(5).view(1, 5)) == [5]
+
+
 def test_packing_plans_by_the_sum_of_tokens_and_the_ledger_stays_exact(built_shards):
     from schemas.manifest import SampleRecord, read_records
     from train.plan import PlanConfig, PlanError, plan_epoch

@@ -489,3 +489,21 @@ def test_plain_adamw_at_stage_0_steps_like_deepspeeds_zero2_and_resumes_exactly(
     again = steps(tmp_path / "resumed", 0)
     assert [e["checkpoint"] for e in events(tmp_path / "resumed", 0, "resume")] == ["step000002"]
     assert [again[s]["loss"] for s in (2, 3)] == pytest.approx([plain[s]["loss"] for s in (2, 3)], abs=1e-6)
+
+
+def test_packed_rows_train_with_segment_attention_like_the_block_mask(five, cache, tmp_path):
+    """--pack: train.main gives the language model's attention to train/packing.py's per-sample sdpa (logged) and
+    its losses equal those of transformers' block-diagonal mask (--no-segment-attention) step for step."""
+    common = ("--model-family", "qwen3_vl", "--zero-stage", "0", "--dtype", "fp32", "--epochs", "2", "--lr", "3e-3",
+              "--warmup-steps", "0", "--num-workers", "0", "--pack", "--max-tokens-per-batch", "1100", "--tail", "pad")
+    runs = {}
+    for name, extra in (("segments", ()), ("mask", ("--no-segment-attention",))):
+        run = tmp_path / name
+        proc = launch(_args(five, run, cache, *common, *extra), nproc=0)
+        assert proc.returncode == 0, explain(proc)
+        runs[name] = run
+    assert [e["language_model"] for e in events(runs["segments"], 0, "segment_attention")] == ["video_ora_segments"]
+    assert events(runs["mask"], 0, "segment_attention") == []
+    seg, mask = (list(steps(runs[n], 0).values()) for n in ("segments", "mask"))
+    assert len(seg) == len(mask) >= 2 and max(len(s["sample_ids"]) for s in seg) >= 2  # rows hold several samples
+    assert [a["loss"] for a in seg] == pytest.approx([b["loss"] for b in mask], rel=1e-5)

@@ -95,6 +95,7 @@ class TrainConfig:
     vision_cache_gib: float = 0.0  # keep the frozen vision blocks' outputs per sample, up to this many GiB (0: off)
     loss_impl: str = "auto"  # auto | torch | chunked | liger (train/loss.py)
     pack: bool = False  # pack a micro-batch's samples into one row (needs --max-tokens-per-batch)
+    segment_attention: bool = True  # packed rows: sdpa per sample, no [L, L] mask (train/packing.py)
     sequence_parallel: int = 1  # ranks one sample's tokens are split over (train/sequence_parallel.py)
     quantize_base: str | None = None  # nf4 | int8: the frozen base in bitsandbytes (CUDA, LoRA)
     linear_attention: str = "auto"  # Qwen3.5: auto | fla | torch (train/kernels.py)
@@ -429,6 +430,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pack", action="store_true",
                    help="pack each micro-batch's samples into one row (no padding, no attention across samples, "
                    "per-sample positions) up to --max-tokens-per-batch tokens; Qwen3-VL only")
+    g.add_argument("--segment-attention", action=argparse.BooleanOptionalAction, default=d.segment_attention,
+                   help="with --pack and --attention sdpa: attention runs once per packed sample, causal with no mask "
+                   "(sdpa's flash / cuDNN kernels, as an unpacked row gets); --no-segment-attention: transformers' "
+                   "block-diagonal [L, L] mask over the whole row (train/packing.py)")
     g.add_argument("--sequence-parallel", type=int, default=d.sequence_parallel, metavar="N",
                    help="split each sample's tokens over N ranks (Ulysses attention, vision tower sharded by "
                    "temporal group; Qwen3-VL, LoRA, one sample per micro-batch); the world size must be a "

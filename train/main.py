@@ -90,6 +90,7 @@ from train.kernels import (
     route_linear_attention,
 )
 from train.loss import LossSpec, causal_lm_loss, liger_problem, resolve_loss_impl
+from train.packing import use_segment_attention
 from train.adamw import (MasterWeightAdamW, applies as plain_adamw_applies, clear_gradients_through,
                          switched_on as plain_adamw_switched_on)
 from train.lora_dropout import (applies as recompute_applies, keeps_product_inputs, recompute_lora_dropout,
@@ -286,6 +287,8 @@ class Recipe:
             self.log.event("liger_kernels", swapped=apply_liger_kernels(self.model, self.family))
         if cfg.batched_vision_attention:
             self.log.event("batched_vision_attention", modules=batch_vision_attention(self.model))
+        if cfg.pack and cfg.segment_attention and cfg.attention == "sdpa":
+            self.log.event("segment_attention", **use_segment_attention(self.model))
 
         # 6. What trains: LoRA adapters (default) or every language-model weight; vision frozen unless asked.
         self.model = self._setup_trainable(self.model)

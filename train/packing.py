@@ -10,16 +10,29 @@ What keeps it exact (tests/test_levers.py: packed loss and gradients equal the p
   learns to predict the next sample;
 - weighting: per supervised token over the micro-batch, as unpacked (train/loss.py).
 
+Attention over a packed row (`--segment-attention`, on by default with `--attention sdpa`): transformers turns
+the boundaries into a dense block-diagonal [L, L] mask, which keeps sdpa off its flash / cuDNN kernels (they
+take no mask) and grows with the square of the row (two 512-frame windows: ~11 GB). `use_segment_attention`
+gives the language model an attention that runs transformers' own sdpa forward once per sample, causal and
+unmasked, on that sample's slice of q, k and v: the same attention the mask describes, on the kernels an
+unpacked row gets. The boundaries come from the text positions every layer receives (where they do not step
+by one, transformers' own rule), read to the host once per row. Rows with a padding mask, and `--attention
+eager` (the reference), keep transformers' mask.
+
 Qwen3.5 is refused (train/main.py): its linear-attention layers carry state along the row, and transformers'
 torch fallback for them cannot be told where a sample ends.
 """
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from train.vision import inner_model
 
 LENGTHS_KEY = "pack_lengths"  # per-sample lengths of a packed row (train.data.collate(pack=True))
+SEGMENT_ATTENTION = "video_ora_segments"  # the attention implementation name registered with transformers
+# text position ids seen by the layers -> the row's sample lengths; one host read per row, not per layer
+_LENGTHS = WeakIdKeyDictionary()
 
 
 def packed_position_ids(model, input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor,
@@ -52,3 +65,60 @@ def unpack_inputs(model, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tens
                                                 batch["video_grid_thw"], lengths)
     batch.pop("attention_mask", None)
     return batch
+
+
+def row_lengths(text_positions: torch.Tensor) -> list[int]:
+    """Sample lengths of a one-row batch from its text positions: a sample starts where the position does not
+    step by one from the one before (transformers' `find_packed_sequence_indices` rule)."""
+    lengths = _LENGTHS.get(text_positions)
+    if lengths is None:
+        row = text_positions.reshape(-1)
+        starts = (torch.nonzero(row[1:] - row[:-1] != 1).flatten() + 1).tolist()
+        edges = [0, *starts, row.numel()]
+        lengths = [b - a for a, b in zip(edges, edges[1:])]
+        _LENGTHS[text_positions] = lengths
+    return lengths
+
+
+def segment_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None = None, **kwargs):
+    """transformers' sdpa attention, run once per packed sample (module docstring); any other batch as sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if attention_mask is not None or position_ids is None or query.shape[0] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    lengths = row_lengths(position_ids)
+    if len(lengths) == 1:
+        return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+    if sum(lengths) != query.shape[2]:
+        raise ValueError(f"packed row of {query.shape[2]} tokens, but its positions describe samples of {lengths}")
+    outs, start = [], 0
+    for n in lengths:
+        part = slice(start, start + n)
+        out, _ = sdpa_attention_forward(module, query[:, :, part], key[:, :, part], value[:, :, part], None, **kwargs)
+        outs.append(out)
+        start += n
+    return torch.cat(outs, dim=1), None
+
+
+def _segment_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs):
+    """No mask for an unpadded row (segment_attention keeps the samples apart); sdpa's mask for padded rows."""
+    if attention_mask is None:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+def use_segment_attention(model) -> dict[str, str]:
+    """The language model's attention (not the vision tower's) becomes `segment_attention`; needs sdpa."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    AttentionInterface.register(SEGMENT_ATTENTION, segment_attention)
+    AttentionMaskInterface.register(SEGMENT_ATTENTION, _segment_mask)
+    config = inner_model(model).language_model.config
+    if config._attn_implementation != "sdpa":
+        raise ValueError(f"--segment-attention runs sdpa per packed sample; this model's language attention is "
+                         f"{config._attn_implementation!r}")
+    config._attn_implementation = SEGMENT_ATTENTION
+    return {"language_model": SEGMENT_ATTENTION, "was": "sdpa"}
