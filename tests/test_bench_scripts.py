@@ -70,3 +70,19 @@ def test_lora_host_bench_times_every_arm_and_its_prototype_matches_peft():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.search(r"^branch: peft [\d.]+ us, lever [\d.]+ us, fused [\d.]+ us", proc.stdout, re.M), proc.stdout
     assert re.search(r"^reduction: hooks [\d.]+ ms, coalesced [\d.]+ ms, plain [\d.]+ ms, torch [\d.]+ ms", proc.stdout, re.M), proc.stdout
+
+
+def test_bench_attention_times_every_backend_and_checks_them_against_each_other(tmp_path):
+    """scripts/bench_attention.py on CPU: sdpa's own pick and the math kernel, GQA given to the kernel and
+    repeated first, each checked against the first (equal to float rounding), rows written as JSON."""
+    from scripts.bench_attention import causal_tflop, main
+
+    out = tmp_path / "attention.json"
+    assert main(["--heads", "4", "2", "16", "--tokens", "48", "80", "--repeats", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert {(r["tokens"], r["backend"], r["gqa"]) for r in rows} == {
+        (t, b, g) for t in (48, 80) for b in ("default", "math") for g in ("enable_gqa", "repeat_kv")}
+    assert all("error" not in r and r["max_rel_diff"] < 1e-5 and r["forward_backward_ms"] > 0 for r in rows), rows
+    assert result["env"]["heads"] == 4 and result["env"]["kv_heads"] == 2
+    assert causal_tflop(1000, 32, 128, backward=True) == 3 * causal_tflop(1000, 32, 128, backward=False)
