@@ -84,6 +84,8 @@ LEGS: dict[str, tuple[str, ...]] = {
     "zero2-profile": ("--zero-stage", "2", "--gradient-checkpointing", "all", "--liger-kernels", "--profile-steps", "2"),
     # LoRA dropout's output and mask kept per projection, PEFT's own way (train/lora_dropout.py)
     "auto-no-recompute-lora-dropout": ("--no-recompute-lora-dropout",),
+    # q/k/v and gate/up LoRA branches each as their own autograd nodes, as before train/lora_dropout.py's groups
+    "auto-no-sibling-lora": ("--no-sibling-lora",),
     # one GPU: DeepSpeed's ZeRO-2 optimizer (auto's pick before train/adamw.py) instead of stage 0 + the trainer's AdamW
     "auto-no-plain-adamw": ("--no-plain-adamw",),
     # 512f: session 11's pick (19 layers whole, attention kept) with today's levers, beside auto's all-but-25: what
@@ -153,6 +155,7 @@ def issue9_matrix() -> list[Leg]:
     legs += [Leg(config="auto-no-plain-adamw", frames=f) for f in (64, 512)]  # 48-49
     legs += [Leg(config="auto-all-but-19", frames=512)]  # 50
     legs += [Leg(config="pack2-mask")]  # 51: pack2 (two windows a row) on the dense mask, beside pack2
+    legs += [Leg(config="auto-no-sibling-lora", frames=f) for f in (64, 512)]  # 52-53
     return legs
 
 

@@ -688,7 +688,8 @@ def test_recomputed_lora_dropout_draws_peft_masks_and_keeps_only_the_inputs(tiny
     peft = _lora(model_dir, checkpointing=checkpointing, dropout=0.3)
     lever = _lora(model_dir, checkpointing=checkpointing, dropout=0.3)
     n = recompute_lora_dropout(lever)
-    assert n == {"projections": sum(1 for name, _ in peft.named_modules() if name.endswith(".lora_A")), "mlps": 0}
+    assert n == {"projections": sum(1 for name, _ in peft.named_modules() if name.endswith(".lora_A")), "mlps": 0,
+                 "sibling_groups": 0}
     assert n["projections"] > 0
     runs = {}
     for name, model, seed in (("peft", peft, 5), ("lever", lever, 5), ("other_seed", lever, 6)):
@@ -734,3 +735,63 @@ def test_down_projection_keeping_gate_and_up_gives_peft_loss_and_drops_the_produ
         product = tokens * peft.base_model.model.config.text_config.intermediate_size * 4  # fp32 on CPU
         kept = {name: _saved_activation_bytes(m, batch, spec) for name, m in (("inputs", inputs_only), ("lever", lever))}
         assert kept["lever"] <= kept["inputs"] - 0.99 * layers * product, (kept, layers * product)
+
+
+@pytest.mark.parametrize("family,checkpointing,product", [("qwen3_vl", False, False), ("qwen3_vl", True, True),
+                                                           ("qwen3_5", False, True)])
+def test_sibling_lora_gives_peft_loss_and_gradients_in_one_node_per_group(tiny_cache, built_shards, family,
+                                                                          checkpointing, product):
+    """--sibling-lora: q/k/v and gate/up each run as one autograd node with PEFT's masks (same seed: the same loss
+    and gradients as PEFT's branches; another seed moves them), and backward sums the shared input's gradients
+    inside the GEMMs instead of with separate adds."""
+    from tests.train_helpers import op_counter
+    from train.lora_dropout import recompute_lora_dropout
+
+    model_dir = tiny_cache / f"tiny_{family}"
+    batch = _batch(model_dir, built_shards, TWO)
+    spec = LossSpec(impl="chunked", vision_no_grad=True)
+    peft = _lora(model_dir, checkpointing=checkpointing, dropout=0.3)
+    alone = _lora(model_dir, checkpointing=checkpointing, dropout=0.3)
+    grouped = _lora(model_dir, checkpointing=checkpointing, dropout=0.3)
+    recompute_lora_dropout(alone, product_inputs=product)
+    n = recompute_lora_dropout(grouped, product_inputs=product, siblings=True)
+    text = peft.base_model.model.config.text_config
+    full = sum(1 for t in getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+               if t == "full_attention")
+    assert n["sibling_groups"] == full + text.num_hidden_layers, n  # q/k/v per attention layer, gate/up per MLP
+    adds = {}
+    runs = {}
+    for name, model, seed in (("peft", peft, 5), ("alone", alone, 5), ("grouped", grouped, 5), ("other_seed", grouped, 6)):
+        torch.manual_seed(seed)
+        model.zero_grad(set_to_none=True)
+        loss = causal_lm_loss(model, batch, spec)
+        with op_counter(lambda op: op in ("add", "add_")) as counter:
+            loss.backward()
+        adds[name] = counter.ops
+        runs[name] = (loss.item(), {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad})
+    _assert_same(runs["grouped"], runs["peft"], rel=1e-5)
+    moved = max(((runs["other_seed"][1][k] - g).abs().max() / g.abs().max()).item() for k, g in runs["peft"][1].items())
+    assert moved > 1e-2, moved
+    # the shared inputs' gradient sums move into the GEMMs (tiny Qwen3-VL: 22 -> 11 adds, the rest are the
+    # residual stream's and the norms' own)
+    assert adds["grouped"] <= adds["alone"] - 4 * text.num_hidden_layers, adds
+
+
+def test_sibling_lora_runs_a_member_alone_when_called_with_another_input(tiny_cache):
+    """The group's first member computes q, k and v for its input; k called with another input runs alone (the
+    next mask), and v still gets its share: the outputs of PEFT-order single branches drawing the same masks."""
+    from train.lora_dropout import _forward, recompute_lora_dropout
+    from train.vision import inner_model
+
+    model = _lora(tiny_cache / "tiny_qwen3_vl", checkpointing=False, dropout=0.3).train()
+    attn = inner_model(model).language_model.layers[0].self_attn
+    q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
+    x, y = torch.randn(2, 1, 5, q.in_features).unbind(0)
+    with torch.no_grad():
+        torch.manual_seed(0)
+        ref = [_forward(q, x), _forward(k, x), _forward(v, x), _forward(k, y)]  # masks drawn q, k, v, then k(y)
+        recompute_lora_dropout(model, siblings=True)
+        torch.manual_seed(0)
+        q_x, k_y, v_x = q(x), k(y), v(x)
+    assert torch.allclose(q_x, ref[0], atol=1e-6) and torch.allclose(v_x, ref[2], atol=1e-6)
+    assert torch.allclose(k_y, ref[3], atol=1e-6) and not torch.allclose(k_y, _forward(k, y), atol=1e-6)

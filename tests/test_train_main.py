@@ -451,7 +451,8 @@ def test_recomputed_lora_dropout_trains_like_peft_dropout_below_zero3(cache, one
         assert proc.returncode == 0, explain(proc)
         runs[name] = run
     # checkpointed (CPU auto: all), so the down projections keep gate and up too
-    assert [(e["projections"], e["mlps"]) for e in events(runs["lever"], 0, "lora_dropout_recomputed")] == [(14, 2)]
+    assert [(e["projections"], e["mlps"], e["sibling_groups"]) for e in events(runs["lever"], 0, "lora_dropout_recomputed")
+            ] == [(14, 2, 4)]  # and q/k/v, gate/up as one node each (--sibling-lora, on by default)
     assert events(runs["peft"], 0, "lora_dropout_recomputed") == []
     lever, peft = (list(steps(runs[n], 0).values()) for n in ("lever", "peft"))
     assert len(lever) == len(peft) == 3

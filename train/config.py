@@ -103,6 +103,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile each decoder layer (ZeRO <= 2; train/kernels.py)
     batched_vision_attention: bool = True  # one sdpa call per vision block over equal segments (train/kernels.py)
     recompute_lora_dropout: bool = True  # LoRA keeps its input, not dropout's output + mask (train/lora_dropout.py)
+    sibling_lora: bool = True  # q/k/v and gate/up LoRA as one autograd node each, with it (train/lora_dropout.py)
     plain_adamw: bool = True  # stage 0: DeepSpeed steps the trainer's fp32-master AdamW (train/adamw.py)
     fused_grad_checks: bool = True  # ZeRO gradient norm (+ ZeRO-1/2 overflow check) in multi-tensor kernels (train/zero.py)
     profile_steps: int = 0  # torch.profiler over this many steps after the first (train/profile.py)
@@ -459,6 +460,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "dropout mask again in backward (default) instead of keeping PEFT's dropout output and mask per "
                    "projection: the same masks and loss, about a third less activation memory per kept layer "
                    "(not with --compile)")
+    g.add_argument("--sibling-lora", action=argparse.BooleanOptionalAction, default=d.sibling_lora,
+                   help="where LoRA dropout is drawn again in backward: q/k/v and gate/up, which read one input, run "
+                   "as one autograd node each (PEFT's masks; the input's gradients summed inside the GEMMs, not by "
+                   "separate adds; train/lora_dropout.py)")
     g.add_argument("--fused-grad-checks", action=argparse.BooleanOptionalAction, default=d.fused_grad_checks,
                    help="the gradient norm (ZeRO-1/2/3) and the inf/NaN check (ZeRO-1/2) as a few multi-tensor kernels "
                    "(default) instead of DeepSpeed's several kernels per gradient tensor; same norm, same skipped steps")

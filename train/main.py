@@ -485,7 +485,7 @@ class Recipe:
             if recompute_applies(lora=True, lora_dropout=cfg.lora_dropout, zero_stage=self.zero_stage,
                                  quantized=cfg.quantize_base is not None, enabled=switched_on(vars(cfg))):
                 self.log.event("lora_dropout_recomputed", **recompute_lora_dropout(
-                    model, product_inputs=keeps_product_inputs(cfg.gradient_checkpointing)))
+                    model, product_inputs=keeps_product_inputs(cfg.gradient_checkpointing), siblings=cfg.sibling_lora))
         else:
             for name, p in model.named_parameters():
                 if not _is_vision(name):
