@@ -193,7 +193,9 @@ class _SiblingBranches(torch.autograd.Function):
             dropped, _ = torch.native_dropout(rows, p, True)
             h = F.linear(dropped, a)
             del dropped
-            outs.append(torch.addmm(result, h, b.t(), alpha=s).view(*x.shape[:-1], w.shape[0]))
+            # in place: `result` is this node's own (torch.addmm(result, ...) would first copy it, a DtoD copy
+            # per projection in the H200 profile)
+            outs.append(result.addmm_(h, b.t(), alpha=s).view(*x.shape[:-1], w.shape[0]))
             hs.append(h)
         ctx.save_for_backward(x, *weights, *hs)
         return tuple(outs)
