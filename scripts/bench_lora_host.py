@@ -7,6 +7,10 @@ Run: python -m scripts.bench_lora_host [--rounds 7] [--calls 300] [--steps 20]
              peft   the frozen base plus PEFT's branch, base(x) + B(A(dropout(x))) * s
              lever  the frozen base plus train/lora_dropout.py's branch (what ships below ZeRO-3)
              fused  a prototype: base and branch in one autograd.Function (same gradients, to the bit)
+  siblings   q, k and v of one attention module reading one [4, 16] input (PEFT LoRA r = 8, dropout 0.05):
+             peft      PEFT's own three branches
+             lever     train/lora_dropout.py's branch per projection (--no-sibling-lora)
+             grouped   the three as one autograd node (--sibling-lora, what ships below ZeRO-3)
   reduction  forward + backward + step of 504 tiny bf16 linears (the 4B LoRA's tensor count) on one rank:
              hooks      DeepSpeed ZeRO-2, a reduction hook per gradient, train.main's fused gradient checks (what
                         auto ran on one GPU before train/adamw.py)
@@ -82,6 +86,46 @@ def branch_arms():
             t.grad = None
     assert all(torch.equal(p, q) for p, q in zip(*grads)), "the fused prototype's gradients differ from PEFT's"
     return {"peft": peft, "lever": lever, "fused": fused}
+
+
+class Qwen3VLTextAttention(torch.nn.Module):
+    """A stand-in with the name train/lora_dropout.py knows: q, k and v called in that order on one input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(16, 16, bias=False) for _ in range(3))
+
+    def forward(self, x):
+        return self.q_proj(x) + self.k_proj(x) + self.v_proj(x)
+
+
+def sibling_arms():
+    from peft import LoraConfig, get_peft_model
+
+    from train.lora_dropout import recompute_lora_dropout
+
+    x = torch.randn(4, 16, requires_grad=True)
+    models = {}
+    for name in ("peft", "lever", "grouped"):
+        torch.manual_seed(0)
+        model = get_peft_model(torch.nn.Sequential(Qwen3VLTextAttention()),
+                               LoraConfig(r=8, lora_alpha=16, lora_dropout=P, target_modules=["q_proj", "k_proj", "v_proj"]))
+        if name != "peft":
+            n = recompute_lora_dropout(model, siblings=name == "grouped")
+            assert n["sibling_groups"] == (name == "grouped"), n
+        for p in model.parameters():  # B = 0 at init would make every gradient but B's zero
+            if p.requires_grad:
+                torch.nn.init.normal_(p)
+        models[name] = model.train()
+    grads = []
+    for name, model in models.items():
+        torch.manual_seed(1)
+        model(x).sum().backward()
+        grads.append([x.grad.clone()] + [p.grad.clone() for p in model.parameters() if p.requires_grad])
+        x.grad = None
+    assert all(torch.allclose(p, q, rtol=1e-5, atol=1e-6) for g in grads[1:] for p, q in zip(grads[0], g)), \
+        "the lever's or the group's gradients differ from PEFT's"
+    return {name: (lambda m=m: m(x).sum().backward()) for name, m in models.items()}
 
 
 def reduction_arms(steps: int):
@@ -164,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     arms = branch_arms()
     branch = interleaved({k: (lambda f=f: [f() for _ in range(a.calls)]) for k, f in arms.items()}, a.rounds, a.calls)
     print("branch: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in branch.items()) + " per projection forward + backward")
+    arms = sibling_arms()
+    group = interleaved({k: (lambda f=f: [f() for _ in range(a.calls)]) for k, f in arms.items()}, a.rounds, a.calls)
+    print("siblings: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in group.items()) + " per q/k/v forward + backward")
     reduction = interleaved(reduction_arms(a.steps), a.rounds, a.steps)
     print("reduction: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in reduction.items()) + " per step (504 tensors)")
     return 0

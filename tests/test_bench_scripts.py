@@ -60,7 +60,8 @@ def test_issue9_matrix_covers_the_targets_and_legs_exist():
 
 def test_lora_host_bench_times_every_arm_and_its_prototype_matches_peft():
     """scripts/bench_lora_host.py (BENCHMARKS.md session 11's host figures): one short round of every arm in its
-    own process (it starts a one-rank gloo group); the fused prototype's gradients equal PEFT's or it stops."""
+    own process (it starts a one-rank gloo group); the fused prototype's gradients equal PEFT's, and the sibling
+    group's (q/k/v as one node) PEFT's, or it stops."""
     import re
     import subprocess
     import sys
@@ -69,6 +70,7 @@ def test_lora_host_bench_times_every_arm_and_its_prototype_matches_peft():
                            "--steps", "2"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.search(r"^branch: peft [\d.]+ us, lever [\d.]+ us, fused [\d.]+ us", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^siblings: peft [\d.]+ us, lever [\d.]+ us, grouped [\d.]+ us", proc.stdout, re.M), proc.stdout
     assert re.search(r"^reduction: hooks [\d.]+ ms, coalesced [\d.]+ ms, plain [\d.]+ ms, torch [\d.]+ ms", proc.stdout, re.M), proc.stdout
 
 
