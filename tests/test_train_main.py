@@ -41,6 +41,17 @@ def _args(shards: Path, run: Path, cache: Path, *extra: str) -> list[str]:
     return ["--shards", str(shards), "--output-dir", str(run), "--cache-dir", str(cache), "--num-workers", "1", *extra]
 
 
+def _run_arms(shards: Path, cache: Path, tmp_path: Path, common: tuple, arms: dict[str, tuple]) -> dict[str, Path]:
+    """One single-process train.main run per arm (common flags + the arm's own), each in tmp_path/NAME."""
+    runs = {}
+    for name, extra in arms.items():
+        run = tmp_path / name
+        proc = launch(_args(shards, run, cache, *common, *extra), nproc=0)
+        assert proc.returncode == 0, explain(proc)
+        runs[name] = run
+    return runs
+
+
 # LoRA on tiny Qwen3-VL, 5 samples on 2 ranks with --tail drop: 2 steps per epoch, 3 epochs, checkpoints at 2, 4.
 DROP_ARGS = ("--model-family", "qwen3_vl", "--tail", "drop", "--epochs", "3", "--save-every", "2", "--lr", "1e-3")
 
@@ -424,12 +435,8 @@ def test_one_rank_zero3_levers_keep_the_numbers_of_deepspeeds_own_path(cache, on
     must be the same, and the LoRA weights must still train (the gathered-back updates reach the model)."""
     common = ("--model-family", "qwen3_vl", "--zero-stage", "3", "--epochs", "4", "--lr", "3e-3", "--lora-dropout", "0",
               "--warmup-steps", "0", "--num-workers", "0")
-    runs = {}
-    for name, extra in (("levers", ()), ("deepspeed", ("--param-persistence-threshold", "1e14"))):
-        run = tmp_path / name
-        proc = launch(_args(one, run, cache, *common, *extra), nproc=0)
-        assert proc.returncode == 0, explain(proc)
-        runs[name] = run
+    runs = _run_arms(one, cache, tmp_path, common,
+                     {"levers": (), "deepspeed": ("--param-persistence-threshold", "1e14")})
     levers, deepspeed = (list(steps(runs[n], 0).values()) for n in ("levers", "deepspeed"))
     assert [e["replaced"] for e in events(runs["levers"], 0, "frozen_kept_resident")] == [True]
     assert events(runs["deepspeed"], 0, "frozen_kept_resident") == []
@@ -444,12 +451,7 @@ def test_recomputed_lora_dropout_trains_like_peft_dropout_below_zero3(cache, one
     PEFT's own dropout path (--no-recompute-lora-dropout) step for step, with dropout on."""
     common = ("--model-family", "qwen3_vl", "--zero-stage", "0", "--dtype", "fp32", "--epochs", "3", "--lr", "3e-3",
               "--lora-dropout", "0.3", "--warmup-steps", "0", "--num-workers", "0")
-    runs = {}
-    for name, extra in (("lever", ()), ("peft", ("--no-recompute-lora-dropout",))):
-        run = tmp_path / name
-        proc = launch(_args(one, run, cache, *common, *extra), nproc=0)
-        assert proc.returncode == 0, explain(proc)
-        runs[name] = run
+    runs = _run_arms(one, cache, tmp_path, common, {"lever": (), "peft": ("--no-recompute-lora-dropout",)})
     # checkpointed (CPU auto: all), so the down projections keep gate and up too
     assert [(e["projections"], e["mlps"], e["sibling_groups"]) for e in events(runs["lever"], 0, "lora_dropout_recomputed")
             ] == [(14, 2, 4)]  # and q/k/v, gate/up as one node each (--sibling-lora, on by default)
@@ -468,12 +470,8 @@ def test_plain_adamw_at_stage_0_steps_like_deepspeeds_zero2_and_resumes_exactly(
     from its step-2 checkpoint continues with the same losses (the fp32 masters travel in DeepSpeed's checkpoint)."""
     common = ("--model-family", "qwen3_vl", "--epochs", "4", "--lr", "3e-3", "--lora-dropout", "0",
               "--warmup-steps", "0", "--num-workers", "0", "--max-grad-norm", "0.05")
-    runs = {}
-    for name, extra in (("plain", ("--zero-stage", "0", "--save-every", "2")), ("zero2", ("--zero-stage", "2"))):
-        run = tmp_path / name
-        proc = launch(_args(one, run, cache, *common, *extra), nproc=0)
-        assert proc.returncode == 0, explain(proc)
-        runs[name] = run
+    runs = _run_arms(one, cache, tmp_path, common, {"plain": ("--zero-stage", "0", "--save-every", "2"),
+                                                    "zero2": ("--zero-stage", "2")})
     assert [e["tensors"] for e in events(runs["plain"], 0, "plain_adamw")] == [28]
     assert events(runs["zero2"], 0, "plain_adamw") == []
     ds = json.loads((runs["plain"] / "run.json").read_text())["deepspeed_config"]
@@ -497,12 +495,7 @@ def test_packed_rows_train_with_segment_attention_like_the_block_mask(five, cach
     its losses equal those of transformers' block-diagonal mask (--no-segment-attention) step for step."""
     common = ("--model-family", "qwen3_vl", "--zero-stage", "0", "--dtype", "fp32", "--epochs", "2", "--lr", "3e-3",
               "--warmup-steps", "0", "--num-workers", "0", "--pack", "--max-tokens-per-batch", "1100", "--tail", "pad")
-    runs = {}
-    for name, extra in (("segments", ()), ("mask", ("--no-segment-attention",))):
-        run = tmp_path / name
-        proc = launch(_args(five, run, cache, *common, *extra), nproc=0)
-        assert proc.returncode == 0, explain(proc)
-        runs[name] = run
+    runs = _run_arms(five, cache, tmp_path, common, {"segments": (), "mask": ("--no-segment-attention",)})
     assert [e["language_model"] for e in events(runs["segments"], 0, "segment_attention")] == ["video_ora_segments"]
     assert events(runs["mask"], 0, "segment_attention") == []
     seg, mask = (list(steps(runs[n], 0).values()) for n in ("segments", "mask"))
