@@ -7,6 +7,7 @@ Run: python -m scripts.bench_lora_host [--rounds 7] [--calls 300] [--steps 20]
              peft   the frozen base plus PEFT's branch, base(x) + B(A(dropout(x))) * s
              lever  the frozen base plus train/lora_dropout.py's branch (what ships below ZeRO-3)
              fused  a prototype: base and branch in one autograd.Function (same gradients, to the bit)
+             node   train/lora_dropout.py's group of one (--sibling-lora: o_proj, down_proj), base and branch in one node
   siblings   q, k and v of one attention module reading one [4, 16] input (PEFT LoRA r = 8, dropout 0.05):
              peft      PEFT's own three branches
              lever     train/lora_dropout.py's branch per projection (--no-sibling-lora)
@@ -30,7 +31,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from train.lora_dropout import _DropoutThenA, _generator
+from train.lora_dropout import _DropoutThenA, _generator, _SiblingBranches
 from train.adamw import MasterWeightAdamW, clear_gradients_through
 from train.zero import fuse_gradient_checks, skip_one_rank_allreduce
 
@@ -77,15 +78,20 @@ def branch_arms():
     def fused():
         _FusedProjection.apply(x, w, a, b).sum().backward()
 
+    def node():
+        _SiblingBranches.apply(x, P, (SCALE,), w, a, b)[0].sum().backward()
+
     grads = []
-    for f in (peft, fused):
+    for f in (peft, fused, node):
         torch.manual_seed(1)
         f()
         grads.append([t.grad.clone() for t in (x, a, b)])
         for t in (x, a, b):
             t.grad = None
-    assert all(torch.equal(p, q) for p, q in zip(*grads)), "the fused prototype's gradients differ from PEFT's"
-    return {"peft": peft, "lever": lever, "fused": fused}
+    assert all(torch.equal(p, q) for p, q in zip(*grads[:2])), "the fused prototype's gradients differ from PEFT's"
+    assert all(torch.allclose(p, q, rtol=1e-5, atol=1e-6) for p, q in zip(grads[0], grads[2])), \
+        "the one-node branch's gradients differ from PEFT's"
+    return {"peft": peft, "lever": lever, "fused": fused, "node": node}
 
 
 class Qwen3VLTextAttention(torch.nn.Module):

@@ -69,7 +69,7 @@ def test_lora_host_bench_times_every_arm_and_its_prototype_matches_peft():
     proc = subprocess.run([sys.executable, "-m", "scripts.bench_lora_host", "--rounds", "1", "--calls", "3",
                            "--steps", "2"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert re.search(r"^branch: peft [\d.]+ us, lever [\d.]+ us, fused [\d.]+ us", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^branch: peft [\d.]+ us, lever [\d.]+ us, fused [\d.]+ us, node [\d.]+ us", proc.stdout, re.M), proc.stdout
     assert re.search(r"^siblings: peft [\d.]+ us, lever [\d.]+ us, grouped [\d.]+ us", proc.stdout, re.M), proc.stdout
     assert re.search(r"^reduction: hooks [\d.]+ ms, coalesced [\d.]+ ms, plain [\d.]+ ms, torch [\d.]+ ms", proc.stdout, re.M), proc.stdout
 

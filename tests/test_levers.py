@@ -689,7 +689,7 @@ def test_recomputed_lora_dropout_draws_peft_masks_and_keeps_only_the_inputs(tiny
     lever = _lora(model_dir, checkpointing=checkpointing, dropout=0.3)
     n = recompute_lora_dropout(lever)
     assert n == {"projections": sum(1 for name, _ in peft.named_modules() if name.endswith(".lora_A")), "mlps": 0,
-                 "sibling_groups": 0}
+                 "sibling_groups": 0, "single_groups": 0}
     assert n["projections"] > 0
     runs = {}
     for name, model, seed in (("peft", peft, 5), ("lever", lever, 5), ("other_seed", lever, 6)):
@@ -759,6 +759,9 @@ def test_sibling_lora_gives_peft_loss_and_gradients_in_one_node_per_group(tiny_c
     full = sum(1 for t in getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
                if t == "full_attention")
     assert n["sibling_groups"] == full + text.num_hidden_layers, n  # q/k/v per attention layer, gate/up per MLP
+    # every other routed projection alone in one node, but a down projection that keeps gate and up
+    grouped_members = 3 * full + 2 * text.num_hidden_layers + (text.num_hidden_layers if product else 0)
+    assert n["single_groups"] == n["projections"] - grouped_members > 0, n
     adds = {}
     runs = {}
     for name, model, seed in (("peft", peft, 5), ("alone", alone, 5), ("grouped", grouped, 5), ("other_seed", grouped, 6)):

@@ -453,8 +453,9 @@ def test_recomputed_lora_dropout_trains_like_peft_dropout_below_zero3(cache, one
               "--lora-dropout", "0.3", "--warmup-steps", "0", "--num-workers", "0")
     runs = _run_arms(one, cache, tmp_path, common, {"lever": (), "peft": ("--no-recompute-lora-dropout",)})
     # checkpointed (CPU auto: all), so the down projections keep gate and up too
-    assert [(e["projections"], e["mlps"], e["sibling_groups"]) for e in events(runs["lever"], 0, "lora_dropout_recomputed")
-            ] == [(14, 2, 4)]  # and q/k/v, gate/up as one node each (--sibling-lora, on by default)
+    assert [(e["projections"], e["mlps"], e["sibling_groups"], e["single_groups"])
+            for e in events(runs["lever"], 0, "lora_dropout_recomputed")
+            ] == [(14, 2, 4, 2)]  # q/k/v, gate/up and o_proj each as one node (--sibling-lora, on by default)
     assert events(runs["peft"], 0, "lora_dropout_recomputed") == []
     lever, peft = (list(steps(runs[n], 0).values()) for n in ("lever", "peft"))
     assert len(lever) == len(peft) == 3

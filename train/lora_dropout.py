@@ -30,7 +30,9 @@ step, each launched from Python. `_SiblingBranches` computes a group as one node
 the order PEFT draws them (q, k, v; gate, up), and in backward the base input gradients accumulate in their
 GEMMs (addmm) and each branch's masked gradient is added in one addcmul. The first member's call computes the
 group; the others, called next with the same input (the attention and MLP forwards of Qwen3-VL / Qwen3.5,
-liger's MLP and `_mlp_forward` do), return their share; any other call runs alone. Same tensors kept.
+liger's MLP and `_mlp_forward` do), return their share; any other call runs alone. Every other routed projection
+(o_proj, a down projection that keeps its input) runs as a group of one: base and branch in one node, the B
+product added into the base output in place. Same tensors kept.
 """
 from __future__ import annotations
 
@@ -284,14 +286,25 @@ def recompute_lora_dropout(model: torch.nn.Module, *, product_inputs: bool = Fal
             module._lora_product = product
             module.forward = types.MethodType(_mlp_forward, module)
             mlps += 1
-    groups = 0
+    groups = singles = 0
     for module in model.modules() if siblings else ():
         for names in SIBLINGS.get(type(module).__name__, ()):
             members = [getattr(module, n, None) for n in names]
             if all(m is not None and getattr(m.forward, "__func__", None) is _forward for m in members):
-                group = _Group(members)
-                for m in members:
-                    m._lora_siblings = group
-                    m.forward = types.MethodType(_sibling_forward, m)
+                _join(members)
                 groups += 1
-    return {"projections": projections, "mlps": mlps, "sibling_groups": groups}
+    # o_proj, down_proj, ...: a group of one, the same one node (not a down projection _mlp_forward calls itself)
+    product_downs = {id(m.down_proj) for m in model.modules() if hasattr(m, "_lora_product")}
+    for module in model.modules() if siblings else ():
+        if type(module) is Linear and getattr(module.forward, "__func__", None) is _forward \
+                and id(module) not in product_downs:
+            _join([module])
+            singles += 1
+    return {"projections": projections, "mlps": mlps, "sibling_groups": groups, "single_groups": singles}
+
+
+def _join(members: list) -> None:
+    group = _Group(members)
+    for m in members:
+        m._lora_siblings = group
+        m.forward = types.MethodType(_sibling_forward, m)
