@@ -258,7 +258,11 @@ def _assign(slot: _Slot, todo: deque, worker, streams: int) -> None:
     while todo and len(slot.running) < streams:
         index, task = todo.popleft()
         slot.running[index] = _Running(task=task, label=f"task {index}", last_beat=time.monotonic())
-        slot.conn.send((index, task, worker if slot.generic else None))
+        try:
+            slot.conn.send((index, task, worker if slot.generic else None))
+        except (BrokenPipeError, ConnectionResetError):  # it died before reading: distribute() reports WorkerDied
+            slot.closed = True
+            return
 
 
 def _drain(slot: _Slot, on_progress) -> list[tuple[int, Any]]:
@@ -267,7 +271,7 @@ def _drain(slot: _Slot, on_progress) -> list[tuple[int, Any]]:
     while slot.conn.poll():
         try:
             kind, index, payload = slot.conn.recv()
-        except EOFError:
+        except (EOFError, ConnectionResetError):  # reset: it died with a task message of ours still unread
             slot.closed = True
             break
         if kind == "beat":

@@ -76,11 +76,17 @@ def test_lora_host_bench_times_every_arm_and_its_prototype_matches_peft():
 
 def test_bench_attention_times_every_backend_and_checks_them_against_each_other(tmp_path):
     """scripts/bench_attention.py on CPU: sdpa's own pick and the math kernel, GQA given to the kernel and
-    repeated first, each checked against the first (equal to float rounding), rows written as JSON."""
-    from scripts.bench_attention import causal_tflop, main
+    repeated first, each checked against the first (equal to float rounding), rows written as JSON. In its own
+    process: torch's CPU thread pools must not start in this one, which later tests fork build workers from."""
+    import subprocess
+    import sys
+
+    from scripts.bench_attention import causal_tflop
 
     out = tmp_path / "attention.json"
-    assert main(["--heads", "4", "2", "16", "--tokens", "48", "80", "--repeats", "1", "--out", str(out)]) == 0
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench_attention", "--heads", "4", "2", "16", "--tokens", "48",
+                           "80", "--repeats", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert {(r["tokens"], r["backend"], r["gqa"]) for r in rows} == {

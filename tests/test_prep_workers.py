@@ -92,6 +92,24 @@ def test_a_worker_that_dies_is_an_error_naming_what_it_worked_on():
     assert not children()
 
 
+def die_first(x):
+    """The first task ends its process while the next one's large message is still arriving: the pipe is reset."""
+    if x == 0:
+        heartbeat("video 0")
+        os.kill(os.getpid(), signal.SIGKILL)
+    return len(x)
+
+
+def test_a_worker_that_dies_with_a_task_unread_is_the_same_error_not_a_pipe_error():
+    """Two streams: the second task (4 MB) is being sent when the first kills the process. The parent then gets a
+    reset or broken pipe instead of end-of-file; that is the worker dying too (a build reported it as an I/O error of
+    its output directory: 'Connection reset by peer at stage shards')."""
+    with pytest.raises(WorkerDied, match=r"killed by SIGKILL\) while working on .*task 0"):
+        with closing(distribute(die_first, [0, b"x" * (4 << 20)], processes=1, streams=2, stall_s=60)) as results:
+            list(results)
+    assert not children()
+
+
 def pid_of(x):
     heartbeat(f"item {x}")
     return os.getpid()
