@@ -26,6 +26,7 @@ cluster distributor (e.g. Ray) would take the same worker and tasks.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import multiprocessing
 import os
 import pickle
@@ -233,7 +234,14 @@ def distribute(worker: Callable[[Any], Any], tasks: list, *, processes: int, str
 def _start(ctx, worker) -> _Slot:
     parent, child = ctx.Pipe(duplex=True)
     process = ctx.Process(target=_worker_main, args=(child, worker, os.getpid()), daemon=True)
-    process.start()
+    # The child never collects what it inherits: garbage of the parent's (a decoder a caller left in a reference
+    # cycle, say) finalized in the child would clean up threads that do not exist there. A shard worker of the test
+    # suite, forked from a process that had decoded in earlier tests, died of a segfault while garbage-collecting.
+    gc.freeze()
+    try:
+        process.start()
+    finally:
+        gc.unfreeze()
     child.close()
     return _Slot(process=process, conn=parent, generic=worker is None)
 
