@@ -36,6 +36,7 @@ product added into the base output in place. Same tensors kept.
 """
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
@@ -65,6 +66,18 @@ def _generator(device: torch.device) -> torch.Generator:
     return torch.default_generator
 
 
+@contextlib.contextmanager
+def _replayed(state: torch.Tensor, device: torch.device):
+    """The generator of `device` at `state` (a forward's, saved in its ctx) inside the block, as it was after."""
+    gen = _generator(device)
+    now = gen.get_state()
+    gen.set_state(state)
+    try:
+        yield
+    finally:
+        gen.set_state(now)
+
+
 class _DropoutThenA(torch.autograd.Function):
     """h = dropout(x) @ A^T that keeps x and the RNG state, not dropout's output and mask. native_dropout is what
     F.dropout runs on CUDA (and draws the same mask on CPU: the test compares with PEFT's nn.Dropout); backward
@@ -87,11 +100,8 @@ class _DropoutThenA(torch.autograd.Function):
 
 def _branch_grads(ctx, x: torch.Tensor, weight: torch.Tensor, grad_h: torch.Tensor, *, need_x: bool, need_w: bool):
     """(grad x, grad A) of dropout(x) @ A^T, the forward's mask drawn again from the state saved in ctx.rng."""
-    gen = _generator(x.device)
-    now = gen.get_state()
-    gen.set_state(ctx.rng)
-    dropped, mask = torch.native_dropout(x, ctx.p, True)  # the forward's mask, drawn again
-    gen.set_state(now)
+    with _replayed(ctx.rng, x.device):
+        dropped, mask = torch.native_dropout(x, ctx.p, True)  # the forward's mask, drawn again
     grad_x = grad_w = None
     if need_w:
         grad_w = grad_h.reshape(-1, grad_h.shape[-1]).t() @ dropped.reshape(-1, x.shape[-1])
@@ -210,10 +220,7 @@ class _SiblingBranches(torch.autograd.Function):
         needs = ctx.needs_input_grad
         rows = x.reshape(-1, x.shape[-1])
         grad_x, grad_a, grad_b = None, [None] * n, [None] * n
-        gen = _generator(x.device)
-        now = gen.get_state()
-        gen.set_state(ctx.rng)
-        try:
+        with _replayed(ctx.rng, x.device):
             for i, s in enumerate(ctx.scalings):
                 dropped, mask = torch.native_dropout(rows, ctx.p, True)  # every member's, in forward's order
                 if grads[i] is None:
@@ -228,8 +235,6 @@ class _SiblingBranches(torch.autograd.Function):
                 if needs[0]:
                     grad_x = torch.mm(g, bases[i]) if grad_x is None else grad_x.addmm_(g, bases[i])
                     grad_x.addcmul_(torch.mm(grad_h, lora_a[i]), mask, value=1.0 / (1.0 - ctx.p))
-        finally:
-            gen.set_state(now)
         if grad_x is not None:
             grad_x = grad_x.view(x.shape)
         return (grad_x, None, None, *([None] * n), *grad_a, *grad_b)

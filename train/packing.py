@@ -68,14 +68,15 @@ def unpack_inputs(model, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 
 
 def row_lengths(text_positions: torch.Tensor) -> list[int]:
-    """Sample lengths of a one-row batch from its text positions: a sample starts where the position does not
-    step by one from the one before (transformers' `find_packed_sequence_indices` rule)."""
+    """Sample lengths of a one-row batch from its text positions, by transformers' own rule
+    (`find_packed_sequence_indices`: a sample starts where the position does not step by one), which its mask
+    path uses for the same row."""
+    from transformers.masking_utils import find_packed_sequence_indices
+
     lengths = _LENGTHS.get(text_positions)
     if lengths is None:
-        row = text_positions.reshape(-1)
-        starts = (torch.nonzero(row[1:] - row[:-1] != 1).flatten() + 1).tolist()
-        edges = [0, *starts, row.numel()]
-        lengths = [b - a for a, b in zip(edges, edges[1:])]
+        samples = find_packed_sequence_indices(text_positions.reshape(1, -1))  # None: one sample
+        lengths = [text_positions.numel()] if samples is None else torch.bincount(samples[0]).tolist()
         _LENGTHS[text_positions] = lengths
     return lengths
 
