@@ -156,6 +156,7 @@ def issue9_matrix() -> list[Leg]:
     legs += [Leg(config="auto-all-but-19", frames=512)]  # 50
     legs += [Leg(config="pack2-mask")]  # 51: pack2 (two windows a row) on the dense mask, beside pack2
     legs += [Leg(config="auto-no-sibling-lora", frames=f) for f in (64, 512)]  # 52-53
+    legs += [Leg(config="auto-profile", frames=512)]  # 54: where the 512-frame step goes
     return legs
 
 

@@ -47,20 +47,20 @@ def test_steps_fp32_masters_like_torch_adamw_with_clipping():
 
 def test_non_finite_gradient_skips_the_step_and_a_missing_one_steps_as_zero():
     params = _params()
-    opt = MasterWeightAdamW(params, lr=1e-2, weight_decay=0.0, max_grad_norm=1.0)
+    opt = MasterWeightAdamW(params, lr=1e-2, weight_decay=0.1, max_grad_norm=1.0)
     before = [p.detach().clone() for p in params]
     _grads(params, 0)
     params[1].grad[3] = float("inf")
     opt.step()
     assert opt.overflow and float(opt._global_grad_norm) == -1.0  # DeepSpeed's sentinel for a non-finite norm
     assert all(torch.equal(b, p.detach()) for b, p in zip(before, params))
-    assert opt.state == {} or all(int(s["step"]) == 0 for s in opt.state.values())
+    assert all(int(s["step"]) == 0 for s in opt.state.values())
     _grads(params, 1)
-    params[2].grad = None  # no sample reached it: it steps with a zero gradient (weight decay, moments)
+    params[2].grad = None  # no sample reached it: it steps with a zero gradient (weight decay only), not a stale one
     opt.step()
-    assert not opt.overflow
+    assert not opt.overflow and all(int(s["step"]) == 1 for s in opt.state.values())
     assert not torch.equal(before[0], params[0].detach())
-    assert params[2].grad is not None and not params[2].grad.any()
+    torch.testing.assert_close(opt.masters[2], before[2].float() * (1 - 1e-2 * 0.1), rtol=0, atol=1e-7)
 
 
 def test_state_dict_carries_the_masters_so_a_resumed_optimizer_continues_exactly():
@@ -85,15 +85,17 @@ def test_state_dict_carries_the_masters_so_a_resumed_optimizer_continues_exactly
     fresh_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
     fresh = MasterWeightAdamW(fresh_params, lr=1e-3, weight_decay=0.01, max_grad_norm=0.0)
     state = dict(saved)
-    state.pop("fp32_masters")
+    state.pop("fp32_master")
     fresh.load_state_dict(state)
     assert any(not torch.equal(a, b) for a, b in zip(fresh.masters, resumed.masters))
 
 
-def test_fp32_parameters_are_their_own_masters():
-    params = [torch.nn.Parameter(torch.randn(4, 4))]
+def test_fp32_parameters_are_views_of_the_master_itself():
+    params = [torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(3))]
     opt = MasterWeightAdamW(params, lr=1e-2, weight_decay=0.0)
-    assert opt.masters[0] is params[0] and "fp32_masters" in opt.state_dict() and not opt.state_dict()["fp32_masters"]
+    assert params[0].untyped_storage().data_ptr() == opt.master.untyped_storage().data_ptr()
+    assert opt.state_dict()["fp32_master"] is None  # nothing to carry twice
+    params[1].grad = torch.ones(3)
     params[0].grad = torch.ones(4, 4)
     before = params[0].detach().clone()
     opt.step()
@@ -107,12 +109,22 @@ def test_applies_only_at_stage_0_with_the_trainers_own_config():
     assert not applies(zero_stage=0, deepspeed_file=False, enabled=False)
 
 
-def test_parameters_moved_after_the_masters_were_made_fail_loudly():
-    """The masters are made where the parameters are when the optimizer is built; a model moved afterwards (as
-    deepspeed.initialize moves it) would step on the host, copying every gradient there: refused, not slow."""
+def test_parameters_moved_after_the_optimizer_was_built_fail_loudly():
+    """The trainable tensors become views into the optimizer's flat buffer; a model moved or cast afterwards (as
+    deepspeed.initialize would move one left on the host) holds copies the step would never update: refused, not
+    silently untrained."""
     params = _params()
     opt = MasterWeightAdamW(params, lr=1e-3, weight_decay=0.0)
-    opt.masters[0] = opt.masters[0].to("meta")  # CPU only here: the masters stand elsewhere instead
     _grads(params, 0)
-    with pytest.raises(RuntimeError, match="parameters are on cpu but their masters on meta"):
+    opt.step()  # views: fine
+    last = params[-1]
+    last.data = last.data.clone()  # what module.to(other device) or a cast does to each tensor
+    _grads(params, 1)
+    with pytest.raises(RuntimeError, match="trainable tensor 2 no longer lives in the optimizer's flat buffer"):
         opt.step()
+
+
+def test_trainable_tensors_of_several_dtypes_are_refused():
+    with pytest.raises(ValueError, match="share one dtype and device"):
+        MasterWeightAdamW([torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))],
+                          lr=1e-3, weight_decay=0.0)

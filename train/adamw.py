@@ -12,13 +12,14 @@ Here DeepSpeed runs stage 0 with neither fp16 nor bf16 set, so it steps this opt
 train.zero.skip_one_rank_allreduce makes its one-rank all-reduce a no-op). This optimizer keeps what the
 wrapper kept: an fp32 master of each bf16 trainable tensor, AdamW on the masters, clipping by the global norm
 and a skipped step (no update, no scheduler step) when that norm is not finite, as DeepSpeed's ZeRO-1/2 do;
-but each of those is one multi-tensor call over all tensors (cast-copy of the gradients, fp64 norms, scale,
-fused AdamW on CUDA, cast-copy back). Gradients accumulate across micro-batches in the parameters' dtype, as
+but the masters are one flat fp32 tensor and the trainable tensors views into one flat buffer of their dtype, so
+after the gradients' cast-copy (one multi-tensor call) the norm, the scale, fused AdamW and the copy back are one
+kernel each. Gradients accumulate across micro-batches in the parameters' dtype, as
 DeepSpeed's ZeRO-2 and stage-0 bf16 paths do by default (data_types.grad_accum_dtype unset). The memory is
 ZeRO-2's on one rank (train/memplan.py counts the same bytes per trainable parameter), so the planner offers
-stage 0 instead of 2 on one GPU. fp32 tensors are their own masters (no copy).
+stage 0 instead of 2 on one GPU. fp32 tensors are views into the master itself (no copy).
 
-Its state_dict carries the masters, so DeepSpeed's checkpoint (which saves a stage-0 optimizer's state_dict)
+Its state_dict carries the master, so DeepSpeed's checkpoint (which saves a stage-0 optimizer's state_dict)
 resumes them exactly. It applies to train.main's own DeepSpeed config only (`applies`, the one rule the config
 builder, train.main and the planner follow): a --deepspeed file keeps DeepSpeed's path.
 """
@@ -46,55 +47,73 @@ def clear_gradients_through(engine, optimizer: "MasterWeightAdamW") -> None:
 
 
 class MasterWeightAdamW(torch.optim.AdamW):
-    """torch's AdamW over fp32 masters of the model's trainable tensors, stepped from their gradients with
-    global-norm clipping and a skipped step on a non-finite norm (`overflow`, which DeepSpeed's engine reads to
-    skip the scheduler step; `_global_grad_norm`, which its get_global_grad_norm returns)."""
+    """torch's fused AdamW over one flat fp32 master of the model's trainable tensors, stepped from their gradients
+    with global-norm clipping and a skipped step on a non-finite norm (`overflow`, which DeepSpeed's engine reads to
+    skip the scheduler step; `_global_grad_norm`, which its get_global_grad_norm returns).
+
+    Why flat: the trainable tensors become views into one buffer of their dtype (the master itself when that is
+    fp32), so after the gradients are copied in (one multi-tensor call) every stage of the step is one kernel on one
+    tensor, not a multi-tensor call over 504 tensors that costs the host 1.3-3.4 ms each (BENCHMARKS.md, session 14).
+    Why no host sync in `step`: the skip is decided on the device (fused AdamW's `found_inf`), so the host queues
+    the whole step behind the backward; the verdict is read only when `overflow` is asked for, after all of it."""
 
     def __init__(self, params, *, lr: float, weight_decay: float, betas=(0.9, 0.999), eps: float = 1e-8,
                  max_grad_norm: float = 0.0):
         self.model_params = [p for p in params if p.requires_grad]
         if not self.model_params:
             raise ValueError("MasterWeightAdamW: no trainable parameters")
-        self.masters = [p if p.dtype == torch.float32 else p.detach().float() for p in self.model_params]
-        low = [i for i, (m, p) in enumerate(zip(self.masters, self.model_params)) if m is not p]
-        self._low_params = [self.model_params[i] for i in low]
-        self._low_masters = [self.masters[i] for i in low]
-        for m in self._low_masters:
-            m.grad = torch.zeros_like(m)  # fp32 gradient buffers, reused every step
-        self._low_master_grads = [m.grad for m in self._low_masters]
-        fused = all(m.is_cuda for m in self.masters)  # one kernel on CUDA; elsewhere multi-tensor (foreach) ops
-        super().__init__(self.masters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused or None,
-                         foreach=None if fused else True)
+        kinds = sorted({f"{p.dtype} on {p.device}" for p in self.model_params})
+        if len(kinds) > 1:
+            raise ValueError(f"MasterWeightAdamW: the trainable tensors must share one dtype and device (one flat "
+                             f"buffer), got {', '.join(kinds)}")
+        sizes = [p.numel() for p in self.model_params]
+        with torch.no_grad():
+            master = torch.cat([p.detach().reshape(-1).float() for p in self.model_params])
+            flat = master if self.model_params[0].dtype == torch.float32 else master.to(self.model_params[0].dtype)
+            for p, view in zip(self.model_params, flat.split(sizes)):
+                p.data = view.view_as(p)  # the same values: the model's tensors were these, rounded or not
+        self.master, self._flat = master, flat
+        self.masters = [v.view_as(p) for v, p in zip(master.split(sizes), self.model_params)]
+        master.grad = torch.zeros_like(master)  # the fp32 gradient, reused every step
+        self._grad_views = [v.view_as(p) for v, p in zip(master.grad.split(sizes), self.model_params)]
+        super().__init__([master], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
         self.max_grad_norm = max_grad_norm
-        self.overflow = False
+        self.found_inf = torch.zeros((), dtype=torch.float32, device=master.device)  # read by torch's fused step
         self._global_grad_norm: torch.Tensor | None = None
+
+    @property
+    def overflow(self) -> bool:
+        """Whether the last step was skipped (a non-finite gradient norm): the one host sync, asked after the step."""
+        return bool(self.found_inf.item())
+
+    def _check_views(self) -> None:
+        base = self._flat.untyped_storage().data_ptr()
+        for i in (0, len(self.model_params) - 1):
+            if self.model_params[i].untyped_storage().data_ptr() != base:
+                raise RuntimeError(f"MasterWeightAdamW: trainable tensor {i} no longer lives in the optimizer's flat "
+                                   f"buffer on {self._flat.device} (it is on {self.model_params[i].device}: the model "
+                                   "was moved or cast after the optimizer was built); build the optimizer after that")
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("MasterWeightAdamW.step takes no closure")
-        if self.model_params[0].device != self.masters[0].device:  # e.g. the model moved after this was built
-            raise RuntimeError(f"MasterWeightAdamW: the parameters are on {self.model_params[0].device} but their "
-                               f"masters on {self.masters[0].device}; build the optimizer after moving the model")
-        for p in self.model_params:
-            if p.grad is None:  # a tensor no sample reached: a zero gradient still steps it, as DeepSpeed's does
-                p.grad = torch.zeros_like(p)
-        if self._low_params:
-            torch._foreach_copy_(self._low_master_grads, [p.grad for p in self._low_params])
-        grads = [m.grad for m in self.masters]  # an fp32 parameter is its own master: its gradient is in place
-        # fp64 norms: the same norm as DeepSpeed's fused check (train.zero), finite exactly when every element is
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)))
-        finite = bool(torch.isfinite(norm))  # the one host sync: the engine needs the verdict to skip the scheduler
-        self.overflow = not finite
-        self._global_grad_norm = norm.float() if finite else torch.full_like(norm, -1.0).float()
-        if not finite:
-            return None
+        self._check_views()
+        have = [i for i, p in enumerate(self.model_params) if p.grad is not None]
+        if len(have) < len(self.model_params):  # a tensor no sample reached: a zero gradient still steps it
+            torch._foreach_zero_([g for i, g in enumerate(self._grad_views) if self.model_params[i].grad is None])
+        torch._foreach_copy_([self._grad_views[i] for i in have], [self.model_params[i].grad for i in have])
+        grad = self.master.grad
+        # fp64: the same norm as DeepSpeed's fused check (train.zero), finite exactly when every element is
+        norm = torch.linalg.vector_norm(grad, 2, dtype=torch.float64)
+        finite = torch.isfinite(norm)
+        self.found_inf.copy_(~finite)
+        self._global_grad_norm = torch.where(finite, norm, -1.0).float()  # -1: DeepSpeed's non-finite sentinel
         if self.max_grad_norm > 0:
-            coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0).float()
-            torch._foreach_mul_(grads, coef)
-        super().step()
-        if self._low_params:
-            torch._foreach_copy_(self._low_params, self._low_masters)
+            grad.mul_((self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0).float())
+        super().step()  # fused AdamW leaves master, moments and step count alone where found_inf is set
+        if self._flat is not self.master:
+            self._flat.copy_(self.master)
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -103,15 +122,16 @@ class MasterWeightAdamW(torch.optim.AdamW):
 
     def state_dict(self):
         state = super().state_dict()
-        state["fp32_masters"] = {i: m.detach().clone() for i, (m, p) in enumerate(zip(self.masters, self.model_params))
-                                 if m is not p}
+        state["fp32_master"] = None if self._flat is self.master else self.master.detach().clone()
         return state
 
     def load_state_dict(self, state_dict) -> None:
         state_dict = dict(state_dict)
-        masters = state_dict.pop("fp32_masters", {})
+        master = state_dict.pop("fp32_master", None)
         super().load_state_dict(state_dict)
         with torch.no_grad():
-            for i, value in masters.items():
-                self.masters[int(i)].copy_(value)
-                self.model_params[int(i)].copy_(value)
+            if master is not None:
+                self.master.copy_(master)
+                self._flat.copy_(master)
+            elif self._flat is not self.master:  # no masters saved: start from the model's (rounded) values
+                self.master.copy_(self._flat)
