@@ -798,3 +798,48 @@ def test_sibling_lora_runs_a_member_alone_when_called_with_another_input(tiny_ca
         q_x, k_y, v_x = q(x), k(y), v(x)
     assert torch.allclose(q_x, ref[0], atol=1e-6) and torch.allclose(v_x, ref[2], atol=1e-6)
     assert torch.allclose(k_y, ref[3], atol=1e-6) and not torch.allclose(k_y, _forward(k, y), atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["chunked", "torch"])
+def test_inputs_prepared_on_the_host_leave_the_loss_no_value_reads(tiny_cache, built_shards, impl):
+    """model_inputs makes every decision that reads the batch's values (positions, padding, supervised positions)
+    on the host batch; causal_lm_loss on the prepared batch reads none of them again in train/ code (on a GPU each
+    read would be a host sync), and gives the raw batch's loss and gradients."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from train.loss import model_inputs
+    from train.positions import PositionCache
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ours = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in ("_local_scalar_dense", "nonzero", "is_nonzero"):
+                caller = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename][-1]
+                if "/train/" in caller.filename:  # read by train/ code itself (the model's own reads are its own)
+                    self.ours.append(f"{func.__name__} at {caller.filename}:{caller.lineno}")
+            return func(*args, **(kwargs or {}))
+
+    model_dir = tiny_cache / "tiny_qwen3_vl"
+    spec = LossSpec(impl=impl, vision_no_grad=True)
+    ids = TWO
+    raw = _batch(model_dir, built_shards, ids)
+    model = _lora(model_dir, checkpointing=False)
+    ref_loss, ref_grads = _loss_and_grads(model, raw, spec)
+    prepared = model_inputs(model, raw, positions=PositionCache(), sample_ids=ids)
+    model.zero_grad(set_to_none=True)
+    with Reads() as reads:
+        loss = causal_lm_loss(model, dict(prepared), spec, positions=PositionCache(), sample_ids=ids)
+    loss.backward()
+    assert reads.ours == []
+    with Reads() as reads_raw:  # the mode does see them where they happen: the raw batch's reads
+        causal_lm_loss(model, dict(raw), spec, positions=PositionCache(), sample_ids=ids)
+    assert reads_raw.ours
+    assert abs(loss.item() - ref_loss) <= 1e-6 * abs(ref_loss)
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-5, atol=1e-7)

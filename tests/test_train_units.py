@@ -344,3 +344,14 @@ def test_oom_report_groups_live_cuda_blocks_by_the_first_frames_outside_torch():
     assert got == [{"site": "modeling_qwen3_vl.py:400 forward < parameter_offload.py:470 forward", "gib": 3.0, "blocks": 2},
                    {"site": "parameter_offload.py:470 forward", "gib": 0.5, "blocks": 1},
                    {"site": "unrecorded", "gib": 0.25, "blocks": 1}]
+
+
+def test_values_to_host_reads_tensors_floats_and_a_missing_norm():
+    """The step record's values (losses, then the gradient norm) as the loop hands them over: device scalars of
+    any shape-() or one-element form, DeepSpeed's float norm, or None where an optimizer reports none (nan)."""
+    import math
+
+    from train.readback import values_to_host
+
+    got = values_to_host([torch.tensor(1.5), torch.tensor([2.25], dtype=torch.bfloat16), 3.0, None]).read()
+    assert got[:3] == [1.5, 2.25, 3.0] and math.isnan(got[3])

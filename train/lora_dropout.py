@@ -28,8 +28,8 @@ backward sums the input's six (three) gradients with five (two) separate adds ov
 masked scale per branch: on one H200 at 64 frames 553 bf16 adds (16.5 ms) and 249 masked scales (7.9 ms) a
 step, each launched from Python. `_SiblingBranches` computes a group as one node: the same masks, drawn in
 the order PEFT draws them (q, k, v; gate, up), and in backward the base input gradients accumulate in their
-GEMMs (addmm) and each branch's masked gradient is added in one addcmul. The first member's call computes the
-group; the others, called next with the same input (the attention and MLP forwards of Qwen3-VL / Qwen3.5,
+GEMMs (addmm) and each branch's masked gradient is added in one pass (add_masked_). The first member's call
+computes the group; the others, called next with the same input (the attention and MLP forwards of Qwen3-VL / Qwen3.5,
 liger's MLP and `_mlp_forward` do), return their share; any other call runs alone. Every other routed projection
 (o_proj, a down projection that keeps its input) runs as a group of one: base and branch in one node, the B
 product added into the base output in place. Same tensors kept.
@@ -37,6 +37,7 @@ product added into the base output in place. Same tensors kept.
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 
 import torch
@@ -234,10 +235,55 @@ class _SiblingBranches(torch.autograd.Function):
                 del dropped
                 if needs[0]:
                     grad_x = torch.mm(g, bases[i]) if grad_x is None else grad_x.addmm_(g, bases[i])
-                    grad_x.addcmul_(torch.mm(grad_h, lora_a[i]), mask, value=1.0 / (1.0 - ctx.p))
+                    add_masked_(grad_x, torch.mm(grad_h, lora_a[i]), mask, 1.0 / (1.0 - ctx.p))
         if grad_x is not None:
             grad_x = grad_x.view(x.shape)
         return (grad_x, None, None, *([None] * n), *grad_a, *grad_b)
+
+
+MASKED_ADD_BLOCK = 4096
+
+
+def add_masked_(out: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """out += scale * (value * mask), in place: a branch's dropout gradient added into its input's gradient.
+
+    Why not addcmul alone: with a bool mask beside bf16 tensors torch runs its non-vectorized elementwise kernel
+    (a cast per element), 156 ms a step at 512 frames and 29 ms at 64 on one H200 (BENCHMARKS.md, session 15).
+    On CUDA a Triton kernel computes the same fp32 a + s * (b * c), rounded once, at memory speed; elsewhere (or
+    without Triton, or on strided tensors) addcmul."""
+    kernel = _masked_add_kernel() if out.is_cuda else None
+    if kernel is None or not (out.is_contiguous() and value.is_contiguous() and mask.is_contiguous()) \
+            or out.shape != value.shape or out.shape != mask.shape or out.dtype != value.dtype:
+        return out.addcmul_(value, mask, value=scale)
+    n = out.numel()
+    kernel[(triton_cdiv(n, MASKED_ADD_BLOCK),)](out, value, mask.view(torch.uint8), n, float(scale),
+                                                BLOCK=MASKED_ADD_BLOCK, num_warps=8)
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.cache
+def _masked_add_kernel():
+    """The Triton kernel of add_masked_, or None where Triton does not import."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def masked_add(out_ptr, value_ptr, mask_ptr, n, scale, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < n
+        a = tl.load(out_ptr + offsets, mask=inside).to(tl.float32)
+        b = tl.load(value_ptr + offsets, mask=inside).to(tl.float32)
+        c = tl.load(mask_ptr + offsets, mask=inside).to(tl.float32)
+        tl.store(out_ptr + offsets, (a + scale * (b * c)).to(out_ptr.dtype.element_ty), mask=inside)
+
+    return masked_add
 
 
 class _Group:

@@ -106,6 +106,38 @@ def resolve_loss_impl(impl: str, *, lm_head_trainable: bool, zero_stage: int) ->
     return "torch" if lm_head_trainable and zero_stage == 3 else "chunked"
 
 
+SUPERVISED_KEY = "supervised_index"  # flat (row * length + p) positions whose next label is supervised
+TARGET_KEY = "supervised_target"  # the labels those positions predict, in the same order
+
+
+def model_inputs(model, batch: dict[str, torch.Tensor], *, positions: PositionCache | None = None,
+                 sample_ids: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """The micro-batch as the forward takes it, with every decision that reads its values made here: a packed
+    row's per-sample positions (train/packing.py), the mRoPE positions kept per sample (train/positions.py), no
+    attention mask where nothing is padded, the supervised positions and their targets as indices.
+
+    Why apart: on a batch already on a GPU each of those reads is a host sync (item, nonzero), ~150 a step at
+    64 frames on one H200, every one a gap the GPU waits through (BENCHMARKS.md, session 15); the trainer runs
+    this on the host batch before the copy, where they cost nothing. A prepared batch passes unchanged, so
+    causal_lm_loss runs it for callers that pass a raw one (a prepared one holds SUPERVISED_KEY)."""
+    if SUPERVISED_KEY in batch:
+        return dict(batch)
+    batch = dict(unpack_inputs(model, batch))
+    if positions is not None and "position_ids" not in batch and batch.get("video_grid_thw") is not None:
+        batch["position_ids"] = positions.batch_positions(model, batch, sample_ids)
+    mask = batch.get("attention_mask")
+    if mask is not None and bool(mask.all()):
+        # No padding: causal alone is the mask, so none is passed (sdpa then runs is_causal, no [L, L] tensor).
+        del batch["attention_mask"]
+    if "labels" in batch:
+        labels = batch["labels"]
+        supervised = torch.zeros_like(labels, dtype=torch.bool)
+        supervised[:, :-1] = labels[:, 1:] != IGNORE_INDEX  # position p is supervised when label p+1 is
+        batch[SUPERVISED_KEY] = supervised.flatten().nonzero().squeeze(1)
+        batch[TARGET_KEY] = labels.flatten()[batch[SUPERVISED_KEY] + 1]
+    return batch
+
+
 def causal_lm_loss(model, batch: dict[str, torch.Tensor], spec: LossSpec | None = None, *,
                    full_logits: bool = False, vision_cache: VisionCache | None = None,
                    sample_ids: list[str] | None = None, positions: PositionCache | None = None) -> torch.Tensor:
@@ -114,21 +146,17 @@ def causal_lm_loss(model, batch: dict[str, torch.Tensor], spec: LossSpec | None 
     Position p predicts token p+1, so only positions whose next label is supervised need logits. `model`
     is what the trainer calls (DeepSpeed engine, PEFT model or plain transformers model). With a vision
     cache the tower runs apart too, its frozen blocks only for the `sample_ids` it does not hold yet; with
-    `positions`, the mRoPE position ids come from the rows it keeps per sample id (train/positions.py).
+    `positions`, the mRoPE position ids come from the rows it keeps per sample id (train/positions.py). The
+    batch may be raw or already through `model_inputs`.
     """
     spec = spec or LossSpec(impl="torch", full_logits=full_logits)
-    batch = dict(unpack_inputs(model, batch))  # a packed row: per-sample positions, boundaries (train/packing.py)
+    batch = model_inputs(model, batch, positions=positions, sample_ids=sample_ids)
     # No KV cache in training: transformers finds a packed row's sample boundaries only without one, and the
     # text model's own config (use_cache=True) would make one whenever no layer is checkpointed
     batch["use_cache"] = False
     labels = batch.pop("labels")
-    if positions is not None and "position_ids" not in batch and batch.get("video_grid_thw") is not None:
-        batch["position_ids"] = positions.batch_positions(model, batch, sample_ids)
+    index, target = batch.pop(SUPERVISED_KEY), batch.pop(TARGET_KEY)
     with_pixels = batch.pop(WITH_PIXELS_KEY, None)  # hits loaded without frames: only the cache can serve them
-    mask = batch.get("attention_mask")
-    if mask is not None and bool(mask.all()):
-        # No padding: causal alone is the mask, so none is passed (sdpa then runs is_causal, no [L, L] tensor).
-        del batch["attention_mask"]
     if (spec.precompute_vision or vision_cache is not None or with_pixels is not None) and \
             batch.get("pixel_values_videos") is not None:
         pixels = batch.pop("pixel_values_videos")
@@ -137,15 +165,14 @@ def causal_lm_loss(model, batch: dict[str, torch.Tensor], spec: LossSpec | None 
             no_grad=spec.vision_no_grad, cache=vision_cache, keys=sample_ids, with_pixels=with_pixels)}
     if spec.full_logits:
         return model(**batch, labels=labels).loss
-    supervised = torch.zeros_like(labels, dtype=torch.bool)
-    supervised[:, :-1] = labels[:, 1:] != IGNORE_INDEX  # position p is supervised when label p+1 is
-    target = labels[:, 1:][labels[:, 1:] != IGNORE_INDEX]
     if spec.impl == "torch":
-        logits = model(**batch, logits_to_keep=supervised).logits  # (n_supervised, vocab), flattened
+        supervised = torch.zeros(labels.numel(), dtype=torch.bool, device=labels.device)
+        supervised[index] = True
+        logits = model(**batch, logits_to_keep=supervised.view_as(labels)).logits  # (n_supervised, vocab)
         return F.cross_entropy(logits.float(), target)
-    # chunked / liger: the final hidden states, no logits at all from the model
-    out = model(**batch, logits_to_keep=torch.zeros_like(supervised), output_hidden_states=True)
-    hidden = out.hidden_states[-1][supervised]  # (n_supervised, hidden), the final-norm output
+    # chunked / liger: the final hidden states, no logits at all from the model (an empty index: no host sync)
+    out = model(**batch, logits_to_keep=index[:0], output_hidden_states=True)
+    hidden = out.hidden_states[-1].flatten(0, 1).index_select(0, index)  # (n_supervised, hidden), final-norm output
     del out
     lm_head = unwrap(model).get_output_embeddings()
     if spec.impl == "liger":

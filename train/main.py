@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import socket
 import sys
@@ -89,7 +90,7 @@ from train.kernels import (
     liger_kernels_problem,
     route_linear_attention,
 )
-from train.loss import LossSpec, causal_lm_loss, liger_problem, resolve_loss_impl
+from train.loss import LossSpec, causal_lm_loss, liger_problem, model_inputs, resolve_loss_impl
 from train.packing import use_segment_attention
 from train.adamw import (MasterWeightAdamW, applies as plain_adamw_applies, clear_gradients_through,
                          switched_on as plain_adamw_switched_on)
@@ -114,6 +115,7 @@ from train.zero import (
     stale_build_lock,
 )
 from train.positions import PositionCache
+from train.readback import PendingStep, values_to_host
 from train.vision import VisionCache, cache_problems, entry_bytes
 
 EXIT_USAGE = 2
@@ -581,6 +583,7 @@ class Recipe:
                    desc="train", unit="step", dynamic_ncols=True)
         self.log.bar = bar if self.rank == 0 else None
         engine.train()
+        pending: PendingStep | None = None  # the last step's record, written while the next one runs
         with StepProfiler(cfg.profile_steps, self.run_dir / "profile", self.rank) as profiler:
             for step, epoch, _, accum in self.steps:  # `step` is running; self.steps_done counts finished ones
                 t0 = time.time()
@@ -594,12 +597,16 @@ class Recipe:
                         raise RuntimeError(f"loader yielded {meta.sample_ids}, plan says {planned.sample_ids}")
                     self.current_meta = meta
                     metas.append(meta)
+                    if self.sp == 1:  # read lengths, masks and labels here, not as host syncs in the forward
+                        tensors = model_inputs(engine, tensors, positions=self.positions, sample_ids=meta.sample_ids)
                     tensors = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
                     with self._sp_scope():  # backward too: checkpointing recomputes the attention there
                         with self.tracker.phase("first_forward" if step == self.start_step and not losses else "forward", step):
                             loss = self.forward_loss(tensors, meta.sample_ids)
                         with self.tracker.phase("backward", step):
                             engine.backward(loss)
+                    if pending is not None:  # its values reached the host long ago: logging it overlaps this step
+                        pending = self._log_step(pending, bar)
                     with self.tracker.phase("optimizer_step", step):
                         engine.step()  # DeepSpeed steps the optimizer (and clips) only at the accumulation boundary
                     losses.append(self._sample_loss(loss))
@@ -612,34 +619,30 @@ class Recipe:
                     append_ledger(self.run_dir, step, self.dp_rank, accum)
                 seconds = time.time() - t0
                 tokens = sum(sum(m.input_tokens) for m in metas)
-                grad_norm = engine.get_global_grad_norm()
-                rec = self.log.step(
+                pending = PendingStep(values=values_to_host([*losses, engine.get_global_grad_norm()]), fields=dict(
                     step=step, epoch=epoch, sample_ids=[s for m in metas for s in m.sample_ids],
                     repeat=[r for m in metas for r in m.repeat], input_tokens=tokens,
                     visual_tokens=sum(sum(m.visual_tokens) for m in metas),
-                    supervised_tokens=sum(sum(m.supervised_tokens) for m in metas),
-                    loss=sum(losses) / len(losses), lr=lr,
-                    grad_norm=float(grad_norm) if grad_norm is not None else None,
+                    supervised_tokens=sum(sum(m.supervised_tokens) for m in metas), lr=lr,
                     tokens_per_s=round(tokens / seconds, 1), seconds=round(seconds, 4),
                     peak_alloc_gib=max(v["alloc_gib"] for v in step_mem.values()),
                     peak_reserved_gib=max(v["reserved_gib"] for v in step_mem.values()),
                     memory_kind=next(iter(step_mem.values()))["kind"], phase_memory=step_mem,
                     phase_seconds=self.tracker.last_step_seconds,
                     data_wait_share=round(self.tracker.last_step_seconds.get("data", 0.0) / seconds, 4),
-                    vision_cache=self.vision_cache.counts() if self.vision_cache is not None else None, phase="train")
-                self._last_losses.append(rec["loss"])
-                bar.update(1)
-                if self.rank == 0 and (step % cfg.log_every == 0 or self.steps_done == self.total_steps):
-                    self.log.say(json.dumps({k: rec[k] for k in rec if k not in ("event", "time", "phase_memory",
-                                                                                "phase_seconds")}))
+                    vision_cache=self.vision_cache.counts() if self.vision_cache is not None else None, phase="train"))
                 if lora_before is not None:
+                    pending = self._log_step(pending, bar)
                     self._lora_sanity(lora_before)
                     lora_before = None
                 if cfg.save_every and self.steps_done % cfg.save_every == 0 and self.steps_done < self.total_steps:
+                    pending = self._log_step(pending, bar)
                     self.save_checkpoint()
                 if step == epoch_last[epoch]:
+                    pending = self._log_step(pending, bar)
                     self._check_epoch(epoch)
                 profiler.step()
+            self._log_step(pending, bar)
         bar.close()
         self.log.bar = None
         if self.vision_cache is not None:
@@ -672,13 +675,28 @@ class Recipe:
 
         return ulysses(self.engine, self.sp_group) if self.sp > 1 else contextlib.nullcontext()
 
-    def _sample_loss(self, loss: torch.Tensor) -> float:
-        """The micro-batch's loss as logged: under sequence parallel the group's partial losses summed."""
+    def _sample_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's loss as logged (on its device): under sequence parallel the group's partials summed."""
         value = loss.detach().float()
         if self.sp > 1:
             value = value / self.sp
             torch.distributed.all_reduce(value, group=self.sp_group)
-        return value.item()
+        return value
+
+    def _log_step(self, pending: PendingStep | None, bar) -> None:
+        """Write a finished step's record (its losses and gradient norm read from the host copy). Returns None,
+        what the loop's `pending` becomes."""
+        if pending is None:
+            return None
+        *losses, grad_norm = pending.values.read()
+        rec = self.log.step(**pending.fields, loss=sum(losses) / len(losses),
+                            grad_norm=None if math.isnan(grad_norm) else grad_norm)
+        self._last_losses.append(rec["loss"])
+        bar.update(1)
+        if self.rank == 0 and (rec["step"] % self.cfg.log_every == 0 or rec["step"] + 1 == self.total_steps):
+            self.log.say(json.dumps({k: rec[k] for k in rec if k not in ("event", "time", "phase_memory",
+                                                                        "phase_seconds")}))
+        return None
 
     def _loss_spec(self) -> LossSpec:
         """How forward and loss run (train/loss.py), with --loss-impl auto decided for this run's ZeRO stage."""
