@@ -843,3 +843,30 @@ def test_inputs_prepared_on_the_host_leave_the_loss_no_value_reads(tiny_cache, b
     for n, p in model.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-5, atol=1e-7)
+
+
+def test_loader_workers_prepare_what_the_forward_would_read(tiny_cache, built_shards):
+    """WorkerInputs in the loader's worker process (its own meta-device model) gives each micro-batch exactly what
+    model_inputs gives with the real model, and the loss on it is the raw batch's."""
+    from transformers import AutoConfig
+
+    from schemas.prompt import load_tokenizer
+    from train.data import MicroBatch, SampleStore, VisionSpec, rank_loader
+    from train.loss import SUPERVISED_KEY, WorkerInputs, model_inputs
+    from train.positions import PositionCache
+
+    model_dir = tiny_cache / "tiny_qwen3_vl"
+    config = AutoConfig.from_pretrained(model_dir)
+    order = [MicroBatch(sample_ids=TWO, repeat=[False, False]), MicroBatch(sample_ids=TWO[:1], repeat=[False])]
+    loader = rank_loader(SampleStore(built_shards), order, VisionSpec.from_model_config(config),
+                         video_token_id=config.video_token_id, pad_token_id=load_tokenizer(str(model_dir)).pad_token_id,
+                         num_workers=1, inputs=WorkerInputs(config))
+    model = _lora(model_dir, checkpointing=False)
+    spec = LossSpec(impl="chunked", vision_no_grad=True)
+    for (got, meta), mb in zip(loader, order):
+        raw = _batch(model_dir, built_shards, mb.sample_ids)
+        want = model_inputs(model, raw, positions=PositionCache(), sample_ids=mb.sample_ids)
+        assert SUPERVISED_KEY in got and got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
+        with torch.no_grad():
+            assert causal_lm_loss(model, got, spec).item() == causal_lm_loss(model, raw, spec).item()

@@ -343,8 +343,9 @@ class MicroBatchDataset(torch.utils.data.Dataset):
 
     def __init__(self, store: SampleStore, micro_batches: Sequence[MicroBatch], spec: VisionSpec, *,
                  video_token_id: int, pad_token_id: int, tokenizer=None, pixel_dtype: torch.dtype = torch.float32,
-                 pack: bool = False, cached: Sequence[Sequence[bool]] | None = None):
+                 pack: bool = False, cached: Sequence[Sequence[bool]] | None = None, inputs=None):
         self.store = store
+        self.inputs = inputs  # (tensors, sample_ids) -> tensors the forward takes (train.loss.WorkerInputs), or None
         self.micro_batches = list(micro_batches)
         self.cached = [list(c) for c in cached] if cached is not None else [[False] * len(mb.sample_ids)
                                                                              for mb in self.micro_batches]
@@ -376,8 +377,9 @@ class MicroBatchDataset(torch.utils.data.Dataset):
             # Every sample is checked as it loads, so a bad one fails with its id, not as a shape error.
             preflight(s, tokenizer=self.tokenizer, spec=self.spec, video_token_id=self.video_token_id, pixels=px)
             pixels.append(px.to(self.pixel_dtype) if px is not None else None)
-        return collate(samples, self.spec, video_token_id=self.video_token_id, pad_token_id=self.pad_token_id,
-                       repeat=mb.repeat, pixels=pixels, pack=self.pack)
+        tensors, meta = collate(samples, self.spec, video_token_id=self.video_token_id, pad_token_id=self.pad_token_id,
+                                repeat=mb.repeat, pixels=pixels, pack=self.pack)
+        return (self.inputs(tensors, meta.sample_ids) if self.inputs is not None else tensors), meta
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -425,15 +427,17 @@ def rank_loader(
     pixel_dtype: torch.dtype = torch.float32,
     pack: bool = False,
     cached: Sequence[Sequence[bool]] | None = None,
+    inputs=None,
 ) -> PlanLoader:
     """Loader yielding (tensors, BatchMeta) for one rank's micro-batches, exactly in the given order,
     prepared ahead by `num_workers` worker processes. With `tokenizer`, each sample's answer span is checked;
-    `cached` (VisionCache.plan): the samples loaded without frames.
+    `cached` (VisionCache.plan): the samples loaded without frames; `inputs`: a stage run on each collated batch in
+    the worker (train.loss.WorkerInputs: what the forward would otherwise read on the GPU).
     A sample that cannot be read as the build wrote it (or fails pre-flight) raises its own error, naming
     shard, member and sample, when its micro-batch is next: before it reaches the model."""
     store.index_for([sid for mb in micro_batches for sid in mb.sample_ids])
     dataset = MicroBatchDataset(store, micro_batches, spec, video_token_id=video_token_id, pad_token_id=pad_token_id,
-                                tokenizer=tokenizer, pixel_dtype=pixel_dtype, pack=pack, cached=cached)
+                                tokenizer=tokenizer, pixel_dtype=pixel_dtype, pack=pack, cached=cached, inputs=inputs)
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
     return PlanLoader(torch.utils.data.DataLoader(

@@ -117,9 +117,10 @@ def model_inputs(model, batch: dict[str, torch.Tensor], *, positions: PositionCa
     attention mask where nothing is padded, the supervised positions and their targets as indices.
 
     Why apart: on a batch already on a GPU each of those reads is a host sync (item, nonzero), ~150 a step at
-    64 frames on one H200, every one a gap the GPU waits through (BENCHMARKS.md, session 15); the trainer runs
-    this on the host batch before the copy, where they cost nothing. A prepared batch passes unchanged, so
-    causal_lm_loss runs it for callers that pass a raw one (a prepared one holds SUPERVISED_KEY)."""
+    64 frames on one H200, every one a gap the GPU waits through (BENCHMARKS.md, session 15). The trainer runs
+    this in its loader's workers (WorkerInputs), off the training process: run there on the host, a new 64-frame
+    sample's positions took ~30 ms of the step. A prepared batch passes unchanged, so causal_lm_loss runs it for
+    callers that pass a raw one (a prepared one holds SUPERVISED_KEY)."""
     if SUPERVISED_KEY in batch:
         return dict(batch)
     batch = dict(unpack_inputs(model, batch))
@@ -136,6 +137,25 @@ def model_inputs(model, batch: dict[str, torch.Tensor], *, positions: PositionCa
         batch[SUPERVISED_KEY] = supervised.flatten().nonzero().squeeze(1)
         batch[TARGET_KEY] = labels.flatten()[batch[SUPERVISED_KEY] + 1]
     return batch
+
+
+class WorkerInputs:
+    """model_inputs as a loader stage (train.data.MicroBatchDataset `inputs`), in each worker process: the family's
+    own model built on the meta device (its own get_rope_index; no weights, no memory) on first use, and a
+    position cache of the worker's own. Holds only the config until then, so it crosses to a worker as is."""
+
+    def __init__(self, config):
+        self.config = config
+        self._model = None
+        self._positions = PositionCache()
+
+    def __call__(self, batch: dict[str, torch.Tensor], sample_ids: list[str]) -> dict[str, torch.Tensor]:
+        if self._model is None:
+            from transformers import AutoModelForImageTextToText
+
+            with torch.device("meta"):
+                self._model = AutoModelForImageTextToText.from_config(self.config)
+        return model_inputs(self._model, batch, positions=self._positions, sample_ids=sample_ids)
 
 
 def causal_lm_loss(model, batch: dict[str, torch.Tensor], spec: LossSpec | None = None, *,

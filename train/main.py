@@ -90,7 +90,7 @@ from train.kernels import (
     liger_kernels_problem,
     route_linear_attention,
 )
-from train.loss import LossSpec, causal_lm_loss, liger_problem, model_inputs, resolve_loss_impl
+from train.loss import LossSpec, WorkerInputs, causal_lm_loss, liger_problem, resolve_loss_impl
 from train.packing import use_segment_attention
 from train.adamw import (MasterWeightAdamW, applies as plain_adamw_applies, clear_gradients_through,
                          switched_on as plain_adamw_switched_on)
@@ -114,7 +114,6 @@ from train.zero import (
     skip_one_rank_allreduce,
     stale_build_lock,
 )
-from train.positions import PositionCache
 from train.readback import PendingStep, values_to_host
 from train.vision import VisionCache, cache_problems, entry_bytes
 
@@ -171,7 +170,6 @@ class Recipe:
         self._resume_rng = None
         self._last_losses: list[float] = []
         self.vision_cache: VisionCache | None = None  # --vision-cache-gib (set in setup)
-        self.positions = PositionCache()  # mRoPE positions per sample id: computed once, not every forward
 
     @property
     def phase(self) -> str:
@@ -328,7 +326,9 @@ class Recipe:
         self.loader = rank_loader(
             self.store, micro_batches, self.vision, video_token_id=self.model_config.video_token_id,
             pad_token_id=self._pad_id(), tokenizer=self.tokenizer, num_workers=cfg.num_workers,
-            pixel_dtype=self.dtype, pack=cfg.pack, cached=cached)
+            pixel_dtype=self.dtype, pack=cfg.pack, cached=cached,
+            # what the forward would read as host syncs, decided in the loader's workers (sequence parallel: its own)
+            inputs=WorkerInputs(self.model_config) if self.sp == 1 else None)
 
     def _report_gpu_memory(self) -> None:
         """Before anything loads: what other processes already hold on the GPUs (a shared card is the usual
@@ -597,8 +597,6 @@ class Recipe:
                         raise RuntimeError(f"loader yielded {meta.sample_ids}, plan says {planned.sample_ids}")
                     self.current_meta = meta
                     metas.append(meta)
-                    if self.sp == 1:  # read lengths, masks and labels here, not as host syncs in the forward
-                        tensors = model_inputs(engine, tensors, positions=self.positions, sample_ids=meta.sample_ids)
                     tensors = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
                     with self._sp_scope():  # backward too: checkpointing recomputes the attention there
                         with self.tracker.phase("first_forward" if step == self.start_step and not losses else "forward", step):
@@ -656,8 +654,7 @@ class Recipe:
             partial, _ = sequence_parallel_loss(self.engine, batch, self.sp_group,
                                                 chunk_positions=self.loss_spec.chunk_positions)
             return partial * self.sp
-        return causal_lm_loss(self.engine, batch, self.loss_spec, vision_cache=self.vision_cache, sample_ids=sample_ids,
-                              positions=self.positions)
+        return causal_lm_loss(self.engine, batch, self.loss_spec, vision_cache=self.vision_cache, sample_ids=sample_ids)
 
     def _vision_cache(self) -> VisionCache | None:
         """--vision-cache-gib: refused unless the tower's blocks give the same outputs every pass."""
