@@ -151,10 +151,12 @@ class WorkerInputs:
 
     def __call__(self, batch: dict[str, torch.Tensor], sample_ids: list[str]) -> dict[str, torch.Tensor]:
         if self._model is None:
-            from transformers import AutoModelForImageTextToText
+            from transformers import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
+            # the class itself, not from_config: under ZeRO-3 that would partition the model (DeepSpeed's
+            # zero.Init, set up by the trainer this worker forked from) with collectives no other rank joins
             with torch.device("meta"):
-                self._model = AutoModelForImageTextToText.from_config(self.config)
+                self._model = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(self.config)](self.config)
         return model_inputs(self._model, batch, positions=self._positions, sample_ids=sample_ids)
 
 
