@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.train_helpers import REPO, events, explain, launch, steps, subset_shards, train_env, verify
+from tests.train_helpers import REPO, events, explain, launch, run_group, steps, subset_shards, train_env, verify
 
 FIVE = ["vid_a/w0002", "vid_b/w0002", "vid_c/w0002", "vid_d/w0002", "vid_a/w0001"]
 ONE = ["vid_a/w0002"]
@@ -502,3 +502,15 @@ def test_packed_rows_train_with_segment_attention_like_the_block_mask(five, cach
     seg, mask = (list(steps(runs[n], 0).values()) for n in ("segments", "mask"))
     assert len(seg) == len(mask) >= 2 and max(len(s["sample_ids"]) for s in seg) >= 2  # rows hold several samples
     assert [a["loss"] for a in seg] == pytest.approx([b["loss"] for b in mask], rel=1e-5)
+
+
+def test_a_failed_step_leaves_the_step_before_it_logged(cache, one, tmp_path):
+    """Each step's record is written while the next step runs (train/readback.py); when that next step fails
+    (a simulated OOM in its forward, no checkpoint between), the finished step's record is still written."""
+    run = tmp_path / "run"
+    proc = run_group([sys.executable, "-m", "train.main", "--shards", str(one), "--output-dir", str(run),
+                      "--cache-dir", str(cache), "--model-family", "qwen3_vl", "--max-steps", "4", "--tail", "pad",
+                      "--save-every", "0", "--num-workers", "0", "--no-progress"],
+                     timeout=300, env=train_env({"VIDEO_ORA_FAIL_AT": "forward:2:0"}))
+    assert proc.returncode != 0, explain(proc)
+    assert sorted(steps(run, 0)) == [0, 1], explain(proc)

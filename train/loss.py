@@ -140,24 +140,23 @@ def model_inputs(model, batch: dict[str, torch.Tensor], *, positions: PositionCa
 
 
 class WorkerInputs:
-    """model_inputs as a loader stage (train.data.MicroBatchDataset `inputs`), in each worker process: the family's
-    own model built on the meta device (its own get_rope_index; no weights, no memory) on first use, and a
-    position cache of the worker's own. Holds only the config until then, so it crosses to a worker as is."""
+    """model_inputs as a loader stage (train.data.MicroBatchDataset `inputs`), run in the loader's workers: the
+    family's own model built on the meta device (its own get_rope_index; no weights, no memory) and a position
+    cache. Build it before a ZeRO-3 model loads: from then on transformers would build even this copy inside
+    DeepSpeed's zero.Init, partitioning it with collectives (a worker of a two-rank run hung there)."""
 
     def __init__(self, config):
-        self.config = config
-        self._model = None
-        self._positions = PositionCache()
+        from transformers import AutoModelForImageTextToText
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        if is_deepspeed_zero3_enabled():
+            raise RuntimeError("WorkerInputs: built after transformers' ZeRO-3 setup; build it before the model loads")
+        with torch.device("meta"):
+            self.model = AutoModelForImageTextToText.from_config(config)
+        self.positions = PositionCache()
 
     def __call__(self, batch: dict[str, torch.Tensor], sample_ids: list[str]) -> dict[str, torch.Tensor]:
-        if self._model is None:
-            from transformers import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
-
-            # the class itself, not from_config: under ZeRO-3 that would partition the model (DeepSpeed's
-            # zero.Init, set up by the trainer this worker forked from) with collectives no other rank joins
-            with torch.device("meta"):
-                self._model = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(self.config)](self.config)
-        return model_inputs(self._model, batch, positions=self._positions, sample_ids=sample_ids)
+        return model_inputs(self.model, batch, positions=self.positions, sample_ids=sample_ids)
 
 
 def causal_lm_loss(model, batch: dict[str, torch.Tensor], spec: LossSpec | None = None, *,

@@ -280,7 +280,9 @@ class Recipe:
                 plan_summary="\n".join(p.describe() for p in self.plans))
             write_json(self.run_dir / "run.json", record)
 
-        # 5. Load (partitioned at load under ZeRO-3) and verify against the checkpoint files.
+        # 5. Load (partitioned at load under ZeRO-3) and verify against the checkpoint files. What the loader's
+        # workers prepare per batch (train.loss.WorkerInputs) is built first: ZeRO-3's load setup would partition it.
+        self.worker_inputs = WorkerInputs(self.model_config) if self.sp == 1 else None  # sequence parallel: its own
         self.model = self._load_model()
 
         if cfg.liger_kernels:  # before LoRA wraps the projections the swapped MLP forward calls
@@ -326,9 +328,7 @@ class Recipe:
         self.loader = rank_loader(
             self.store, micro_batches, self.vision, video_token_id=self.model_config.video_token_id,
             pad_token_id=self._pad_id(), tokenizer=self.tokenizer, num_workers=cfg.num_workers,
-            pixel_dtype=self.dtype, pack=cfg.pack, cached=cached,
-            # what the forward would read as host syncs, decided in the loader's workers (sequence parallel: its own)
-            inputs=WorkerInputs(self.model_config) if self.sp == 1 else None)
+            pixel_dtype=self.dtype, pack=cfg.pack, cached=cached, inputs=self.worker_inputs)
 
     def _report_gpu_memory(self) -> None:
         """Before anything loads: what other processes already hold on the GPUs (a shared card is the usual
@@ -584,62 +584,66 @@ class Recipe:
         self.log.bar = bar if self.rank == 0 else None
         engine.train()
         pending: PendingStep | None = None  # the last step's record, written while the next one runs
-        with StepProfiler(cfg.profile_steps, self.run_dir / "profile", self.rank) as profiler:
-            for step, epoch, _, accum in self.steps:  # `step` is running; self.steps_done counts finished ones
-                t0 = time.time()
-                losses, metas = [], []
-                lr = engine.optimizer.param_groups[0]["lr"]
-                self.tracker.begin_step(step)
-                for planned in accum:
-                    with self.tracker.phase("data", step):
-                        tensors, meta = next(batches)
-                    if meta.sample_ids != planned.sample_ids:  # the loader must follow the plan, or the ledger lies
-                        raise RuntimeError(f"loader yielded {meta.sample_ids}, plan says {planned.sample_ids}")
-                    self.current_meta = meta
-                    metas.append(meta)
-                    tensors = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
-                    with self._sp_scope():  # backward too: checkpointing recomputes the attention there
-                        with self.tracker.phase("first_forward" if step == self.start_step and not losses else "forward", step):
-                            loss = self.forward_loss(tensors, meta.sample_ids)
-                        with self.tracker.phase("backward", step):
-                            engine.backward(loss)
-                    if pending is not None:  # its values reached the host long ago: logging it overlaps this step
+        try:
+            with StepProfiler(cfg.profile_steps, self.run_dir / "profile", self.rank) as profiler:
+                for step, epoch, _, accum in self.steps:  # `step` is running; self.steps_done counts finished ones
+                    t0 = time.time()
+                    losses, metas = [], []
+                    lr = engine.optimizer.param_groups[0]["lr"]
+                    self.tracker.begin_step(step)
+                    for planned in accum:
+                        with self.tracker.phase("data", step):
+                            tensors, meta = next(batches)
+                        if meta.sample_ids != planned.sample_ids:  # the loader must follow the plan, or the ledger lies
+                            raise RuntimeError(f"loader yielded {meta.sample_ids}, plan says {planned.sample_ids}")
+                        self.current_meta = meta
+                        metas.append(meta)
+                        tensors = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
+                        with self._sp_scope():  # backward too: checkpointing recomputes the attention there
+                            first = step == self.start_step and not losses
+                            with self.tracker.phase("first_forward" if first else "forward", step):
+                                loss = self.forward_loss(tensors, meta.sample_ids)
+                            with self.tracker.phase("backward", step):
+                                engine.backward(loss)
+                        if pending is not None:  # its values reached the host long ago: logging it overlaps this step
+                            pending = self._log_step(pending, bar)
+                        with self.tracker.phase("optimizer_step", step):
+                            engine.step()  # DeepSpeed steps the optimizer (and clips) only at the accumulation boundary
+                        losses.append(self._sample_loss(loss))
+                    step_mem = self.tracker.end_step()  # per-phase peaks of this step; the memory file written once
+                    self.steps_done = step + 1
+                    if self._recording_allocations:
+                        self._recording_allocations = record_allocations(False)
+                    self.current_meta = None
+                    if self.sp_rank == 0:  # one ledger writer per data-parallel slot
+                        append_ledger(self.run_dir, step, self.dp_rank, accum)
+                    seconds = time.time() - t0
+                    tokens = sum(sum(m.input_tokens) for m in metas)
+                    pending = PendingStep(values=values_to_host([*losses, engine.get_global_grad_norm()]), fields=dict(
+                        step=step, epoch=epoch, sample_ids=[s for m in metas for s in m.sample_ids],
+                        repeat=[r for m in metas for r in m.repeat], input_tokens=tokens,
+                        visual_tokens=sum(sum(m.visual_tokens) for m in metas),
+                        supervised_tokens=sum(sum(m.supervised_tokens) for m in metas), lr=lr,
+                        tokens_per_s=round(tokens / seconds, 1), seconds=round(seconds, 4),
+                        peak_alloc_gib=max(v["alloc_gib"] for v in step_mem.values()),
+                        peak_reserved_gib=max(v["reserved_gib"] for v in step_mem.values()),
+                        memory_kind=next(iter(step_mem.values()))["kind"], phase_memory=step_mem,
+                        phase_seconds=self.tracker.last_step_seconds,
+                        data_wait_share=round(self.tracker.last_step_seconds.get("data", 0.0) / seconds, 4),
+                        vision_cache=self.vision_cache.counts() if self.vision_cache is not None else None,
+                        phase="train"))
+                    if lora_before is not None:
                         pending = self._log_step(pending, bar)
-                    with self.tracker.phase("optimizer_step", step):
-                        engine.step()  # DeepSpeed steps the optimizer (and clips) only at the accumulation boundary
-                    losses.append(self._sample_loss(loss))
-                step_mem = self.tracker.end_step()  # per-phase peaks of this step; the memory file written once
-                self.steps_done = step + 1
-                if self._recording_allocations:
-                    self._recording_allocations = record_allocations(False)
-                self.current_meta = None
-                if self.sp_rank == 0:  # one ledger writer per data-parallel slot
-                    append_ledger(self.run_dir, step, self.dp_rank, accum)
-                seconds = time.time() - t0
-                tokens = sum(sum(m.input_tokens) for m in metas)
-                pending = PendingStep(values=values_to_host([*losses, engine.get_global_grad_norm()]), fields=dict(
-                    step=step, epoch=epoch, sample_ids=[s for m in metas for s in m.sample_ids],
-                    repeat=[r for m in metas for r in m.repeat], input_tokens=tokens,
-                    visual_tokens=sum(sum(m.visual_tokens) for m in metas),
-                    supervised_tokens=sum(sum(m.supervised_tokens) for m in metas), lr=lr,
-                    tokens_per_s=round(tokens / seconds, 1), seconds=round(seconds, 4),
-                    peak_alloc_gib=max(v["alloc_gib"] for v in step_mem.values()),
-                    peak_reserved_gib=max(v["reserved_gib"] for v in step_mem.values()),
-                    memory_kind=next(iter(step_mem.values()))["kind"], phase_memory=step_mem,
-                    phase_seconds=self.tracker.last_step_seconds,
-                    data_wait_share=round(self.tracker.last_step_seconds.get("data", 0.0) / seconds, 4),
-                    vision_cache=self.vision_cache.counts() if self.vision_cache is not None else None, phase="train"))
-                if lora_before is not None:
-                    pending = self._log_step(pending, bar)
-                    self._lora_sanity(lora_before)
-                    lora_before = None
-                if cfg.save_every and self.steps_done % cfg.save_every == 0 and self.steps_done < self.total_steps:
-                    pending = self._log_step(pending, bar)
-                    self.save_checkpoint()
-                if step == epoch_last[epoch]:
-                    pending = self._log_step(pending, bar)
-                    self._check_epoch(epoch)
-                profiler.step()
+                        self._lora_sanity(lora_before)
+                        lora_before = None
+                    if cfg.save_every and self.steps_done % cfg.save_every == 0 and self.steps_done < self.total_steps:
+                        pending = self._log_step(pending, bar)
+                        self.save_checkpoint()
+                    if step == epoch_last[epoch]:
+                        pending = self._log_step(pending, bar)
+                        self._check_epoch(epoch)
+                    profiler.step()
+        finally:  # also when a step fails: the step before it keeps its record
             self._log_step(pending, bar)
         bar.close()
         self.log.bar = None
