@@ -6,7 +6,6 @@ Run: python -m scripts.bench_lora_host [--rounds 7] [--calls 300] [--steps 20]
   branch     one projection's forward + backward ([4, 16] input, r = 8, dropout 0.05, one thread):
              peft   the frozen base plus PEFT's branch, base(x) + B(A(dropout(x))) * s
              lever  the frozen base plus train/lora_dropout.py's branch (what ships below ZeRO-3)
-             fused  a prototype: base and branch in one autograd.Function (same gradients, to the bit)
              node   train/lora_dropout.py's group of one (--sibling-lora: o_proj, down_proj), base and branch in one node
   siblings   q, k and v of one attention module reading one [4, 16] input (PEFT LoRA r = 8, dropout 0.05):
              peft      PEFT's own three branches
@@ -31,35 +30,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from train.lora_dropout import _DropoutThenA, _generator, _SiblingBranches
+from train.lora_dropout import _DropoutThenA, _SiblingBranches
 from train.adamw import MasterWeightAdamW, clear_gradients_through
 from train.zero import fuse_gradient_checks, skip_one_rank_allreduce
 
 P, SCALE = 0.05, 2.0
-
-
-class _FusedProjection(torch.autograd.Function):
-    """base(x) + s * (dropout(x) @ A^T) @ B^T in one Function, the mask drawn again in backward (prototype)."""
-
-    @staticmethod
-    def forward(ctx, x, w, a, b):
-        ctx.rng = _generator(x.device).get_state()
-        dropped, _ = torch.native_dropout(x, P, True)
-        h = dropped @ a.t()
-        ctx.save_for_backward(x, w, a, b, h)
-        return torch.addmm(x @ w.t(), h, b.t(), alpha=SCALE)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w, a, b, h = ctx.saved_tensors
-        gh = (g @ b) * SCALE
-        gen = _generator(x.device)
-        now = gen.get_state()
-        gen.set_state(ctx.rng)
-        dropped, mask = torch.native_dropout(x, P, True)
-        gen.set_state(now)
-        gx = torch.addmm(torch.ops.aten.native_dropout_backward(gh @ a, mask, 1 / (1 - P)), g, w)
-        return gx, None, gh.t() @ dropped, (g.t() @ h) * SCALE
 
 
 def branch_arms():
@@ -75,23 +50,19 @@ def branch_arms():
     def lever():
         torch.addmm(F.linear(x, w), _DropoutThenA.apply(x, a, P), b.t(), alpha=SCALE).sum().backward()
 
-    def fused():
-        _FusedProjection.apply(x, w, a, b).sum().backward()
-
     def node():
         _SiblingBranches.apply(x, P, (SCALE,), w, a, b)[0].sum().backward()
 
     grads = []
-    for f in (peft, fused, node):
+    for f in (peft, node):
         torch.manual_seed(1)
         f()
         grads.append([t.grad.clone() for t in (x, a, b)])
         for t in (x, a, b):
             t.grad = None
-    assert all(torch.equal(p, q) for p, q in zip(*grads[:2])), "the fused prototype's gradients differ from PEFT's"
-    assert all(torch.allclose(p, q, rtol=1e-5, atol=1e-6) for p, q in zip(grads[0], grads[2])), \
+    assert all(torch.allclose(p, q, rtol=1e-5, atol=1e-6) for p, q in zip(grads[0], grads[1])), \
         "the one-node branch's gradients differ from PEFT's"
-    return {"peft": peft, "lever": lever, "fused": fused, "node": node}
+    return {"peft": peft, "lever": lever, "node": node}
 
 
 class Qwen3VLTextAttention(torch.nn.Module):

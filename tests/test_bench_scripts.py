@@ -58,9 +58,9 @@ def test_issue9_matrix_covers_the_targets_and_legs_exist():
     assert "e-0" not in text.splitlines()[3] and "e+0" not in text.splitlines()[3]
 
 
-def test_lora_host_bench_times_every_arm_and_its_prototype_matches_peft():
+def test_lora_host_bench_times_every_arm_and_its_nodes_match_peft():
     """scripts/bench_lora_host.py (BENCHMARKS.md session 11's host figures): one short round of every arm in its
-    own process (it starts a one-rank gloo group); the fused prototype's gradients equal PEFT's, and the sibling
+    own process (it starts a one-rank gloo group); the one-node branch's gradients equal PEFT's, and the sibling
     group's (q/k/v as one node) PEFT's, or it stops."""
     import re
     import subprocess
@@ -69,7 +69,7 @@ def test_lora_host_bench_times_every_arm_and_its_prototype_matches_peft():
     proc = subprocess.run([sys.executable, "-m", "scripts.bench_lora_host", "--rounds", "1", "--calls", "3",
                            "--steps", "2"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert re.search(r"^branch: peft [\d.]+ us, lever [\d.]+ us, fused [\d.]+ us, node [\d.]+ us", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^branch: peft [\d.]+ us, lever [\d.]+ us, node [\d.]+ us", proc.stdout, re.M), proc.stdout
     assert re.search(r"^siblings: peft [\d.]+ us, lever [\d.]+ us, grouped [\d.]+ us", proc.stdout, re.M), proc.stdout
     assert re.search(r"^reduction: hooks [\d.]+ ms, coalesced [\d.]+ ms, plain [\d.]+ ms, torch [\d.]+ ms", proc.stdout, re.M), proc.stdout
 
