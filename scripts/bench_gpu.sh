@@ -26,7 +26,8 @@
 #
 # What comes back (the device returns at most 8 files): env.txt, plan_predictions.txt, bench.log,
 # results.md, results.json, legs.tgz (every leg's log, run.json, plan.json, memory plan, step logs, profile op
-# tables) and a profiled leg's Chrome trace (LEG.trace.json.gz, under 15 MB).
+# tables) and a profiled leg's Chrome trace (LEG.trace.json.gz, under 15 MB). Two runs in one call exceed 8
+# files: give each its own OUT under /tmp and tar them into the call's $OUT (session 15 lost two files so).
 set -u
 OUT=${OUT:-/tmp/bench_gpu}
 BUDGET_S=${BUDGET_S:-480}
