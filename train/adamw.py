@@ -67,11 +67,13 @@ class MasterWeightAdamW(torch.optim.AdamW):
             raise ValueError(f"MasterWeightAdamW: the trainable tensors must share one dtype and device (one flat "
                              f"buffer), got {', '.join(kinds)}")
         sizes = [p.numel() for p in self.model_params]
-        with torch.no_grad():
-            master = torch.cat([p.detach().reshape(-1).float() for p in self.model_params])
-            flat = master if self.model_params[0].dtype == torch.float32 else master.to(self.model_params[0].dtype)
+        with torch.no_grad():  # tensor by tensor, each one's old storage freed as it moves: no second model copy
+            first = self.model_params[0]
+            flat = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
             for p, view in zip(self.model_params, flat.split(sizes)):
-                p.data = view.view_as(p)  # the same values: the model's tensors were these, rounded or not
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view_as(p)
+            master = flat if first.dtype == torch.float32 else flat.float()
         self.master, self._flat = master, flat
         self.masters = [v.view_as(p) for v, p in zip(master.split(sizes), self.model_params)]
         master.grad = torch.zeros_like(master)  # the fp32 gradient, reused every step
