@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import io
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -343,7 +343,8 @@ class MicroBatchDataset(torch.utils.data.Dataset):
 
     def __init__(self, store: SampleStore, micro_batches: Sequence[MicroBatch], spec: VisionSpec, *,
                  video_token_id: int, pad_token_id: int, tokenizer=None, pixel_dtype: torch.dtype = torch.float32,
-                 pack: bool = False, cached: Sequence[Sequence[bool]] | None = None, inputs=None):
+                 pack: bool = False, cached: Sequence[Sequence[bool]] | None = None,
+                 inputs: Callable[[dict, list[str]], dict] | None = None):
         self.store = store
         self.inputs = inputs  # (tensors, sample_ids) -> tensors the forward takes (train.loss.WorkerInputs), or None
         self.micro_batches = list(micro_batches)
@@ -427,7 +428,7 @@ def rank_loader(
     pixel_dtype: torch.dtype = torch.float32,
     pack: bool = False,
     cached: Sequence[Sequence[bool]] | None = None,
-    inputs=None,
+    inputs: Callable[[dict, list[str]], dict] | None = None,
 ) -> PlanLoader:
     """Loader yielding (tensors, BatchMeta) for one rank's micro-batches, exactly in the given order,
     prepared ahead by `num_workers` worker processes. With `tokenizer`, each sample's answer span is checked;

@@ -256,13 +256,9 @@ def add_masked_(out: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scal
             or out.shape != value.shape or out.shape != mask.shape or out.dtype != value.dtype:
         return out.addcmul_(value, mask, value=scale)
     n = out.numel()
-    kernel[(triton_cdiv(n, MASKED_ADD_BLOCK),)](out, value, mask.view(torch.uint8), n, float(scale),
-                                                BLOCK=MASKED_ADD_BLOCK, num_warps=8)
+    kernel[(-(-n // MASKED_ADD_BLOCK),)](out, value, mask.view(torch.uint8), n, float(scale), BLOCK=MASKED_ADD_BLOCK,
+                                         num_warps=8)
     return out
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @functools.cache
