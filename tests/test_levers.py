@@ -833,11 +833,11 @@ def test_inputs_prepared_on_the_host_leave_the_loss_no_value_reads(tiny_cache, b
     prepared = model_inputs(model, raw, positions=PositionCache(), sample_ids=ids)
     model.zero_grad(set_to_none=True)
     with Reads() as reads:
-        loss = causal_lm_loss(model, dict(prepared), spec, positions=PositionCache(), sample_ids=ids)
+        loss = causal_lm_loss(model, dict(prepared), spec, sample_ids=ids)
     loss.backward()
     assert reads.ours == []
     with Reads() as reads_raw:  # the mode does see them where they happen: the raw batch's reads
-        causal_lm_loss(model, dict(raw), spec, positions=PositionCache(), sample_ids=ids)
+        causal_lm_loss(model, dict(raw), spec, sample_ids=ids)
     assert reads_raw.ours
     assert abs(loss.item() - ref_loss) <= 1e-6 * abs(ref_loss)
     for n, p in model.named_parameters():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from train.loss import LossSpec, causal_lm_loss
+from train.loss import LossSpec, causal_lm_loss, model_inputs
 from train.positions import PositionCache
 
 IDS = ["vid_a/w0002", "vid_c/w0000", "vid_b/w0001"]  # landscape and portrait grids: rows of different lengths
@@ -43,7 +43,8 @@ def test_kept_positions_equal_the_model_own_and_give_the_same_loss(tiny_cache, b
     results = []
     for positions in (None, PositionCache()):
         model.zero_grad()
-        loss = causal_lm_loss(model, dict(batch), spec, sample_ids=IDS, positions=positions)
+        loss = causal_lm_loss(model, model_inputs(model, dict(batch), positions=positions, sample_ids=IDS), spec,
+                              sample_ids=IDS)
         loss.backward()
         results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
     (loss_own, grads_own), (loss_kept, grads_kept) = results

@@ -161,17 +161,16 @@ class WorkerInputs:
 
 def causal_lm_loss(model, batch: dict[str, torch.Tensor], spec: LossSpec | None = None, *,
                    full_logits: bool = False, vision_cache: VisionCache | None = None,
-                   sample_ids: list[str] | None = None, positions: PositionCache | None = None) -> torch.Tensor:
+                   sample_ids: list[str] | None = None) -> torch.Tensor:
     """Mean cross-entropy over supervised tokens (labels != -100), the same value as the model's own loss.
 
     Position p predicts token p+1, so only positions whose next label is supervised need logits. `model`
     is what the trainer calls (DeepSpeed engine, PEFT model or plain transformers model). With a vision
-    cache the tower runs apart too, its frozen blocks only for the `sample_ids` it does not hold yet; with
-    `positions`, the mRoPE position ids come from the rows it keeps per sample id (train/positions.py). The
-    batch may be raw or already through `model_inputs`.
+    cache the tower runs apart too, its frozen blocks only for the `sample_ids` it does not hold yet. The batch
+    may be raw (the model then numbers its own mRoPE positions) or already through `model_inputs` (the trainer's).
     """
     spec = spec or LossSpec(impl="torch", full_logits=full_logits)
-    batch = model_inputs(model, batch, positions=positions, sample_ids=sample_ids)
+    batch = model_inputs(model, batch)
     # No KV cache in training: transformers finds a packed row's sample boundaries only without one, and the
     # text model's own config (use_cache=True) would make one whenever no layer is checkpointed
     batch["use_cache"] = False
