@@ -4,6 +4,12 @@ decord is the decoder the build uses, so decord's frame count and average fps ar
 frames / fps, the same rule qwen-vl-utils' decord backend uses). PyAV is the second opinion: it names the
 codec when decord cannot open a file, reads the display rotation, and gives the container duration.
 
+Cut-off files: decord counts the packets it can demux, so a file cut at a packet boundary is a shorter video;
+one cut inside a packet is rejected (corrupt_video) because that packet, the stream's last, comes out of the
+demuxer flagged corrupt. PyAV reads only the last GOP's packets for that (~1 ms a clip): decoding the last
+frame instead, as earlier versions did, cost ~50 of the probe's ~70 ms on a 30 s 640x360 clip (BENCHMARKS.md,
+Prep, session 16).
+
 Rotation: decord 0.6 applies the display matrix for multiples of 90 degrees (a portrait phone clip stored
 as 1280x720 with rotation 90 decodes as 720x1280), so width/height here are the DISPLAYED size, taken from
 a decoded frame and cross-checked against PyAV's coded size and rotation. Any other angle is rejected
@@ -62,8 +68,9 @@ def _container_kind(path: Path) -> str | None:
     return next((name for name, test in _SIGNATURES.items() if len(head) >= 12 and test(head)), None)
 
 
-def _pyav_probe(path: Path) -> dict:
-    """Codec, coded size, rotation and container duration from PyAV; {'error': ...} when it cannot."""
+def _pyav_probe(path: Path, frames: int | None = None, fps: float | None = None) -> dict:
+    """Codec, coded size, rotation and container duration from PyAV; {'error': ...} when it cannot. Given decord's
+    frame count and fps, also 'cut_off': why the stream's last packets are not whole ('' when they are)."""
     import av
 
     try:
@@ -83,9 +90,29 @@ def _pyav_probe(path: Path) -> dict:
                 info["rotation"] = int(round(frame.rotation or 0))
             except (StopIteration, av.FFmpegError) as e:
                 info["decode_error"] = str(e) or type(e).__name__
+            if frames and fps:
+                info["cut_off"] = _cut_off(container, stream, frames, fps)
             return info
     except av.FFmpegError as e:
         return {"error": str(e)}
+
+
+def _cut_off(container, stream, frames: int, fps: float) -> str:
+    """Why the last GOP's packets are not whole ('' when they are): demuxed from the keyframe before the last
+    frame's time, none may come out flagged corrupt (cut short by the end of the file) or fail to read."""
+    import av
+
+    start = stream.start_time or 0
+    last_s = (frames - 1) / fps
+    try:
+        container.seek(start + int(last_s / stream.time_base), stream=stream, backward=True, any_frame=False)
+        for packet in container.demux(stream):
+            if packet.size and packet.is_corrupt:
+                at = f"{float((packet.pts - start) * stream.time_base):.2f} s" if packet.pts is not None else "the end"
+                return f"its packet at {at} is cut short ({packet.size} bytes left)"
+    except av.FFmpegError as e:
+        return f"reading its last packets fails: {e}"
+    return ""
 
 
 def probe_video(path: str | Path, num_threads: int = 1) -> ProbeResult | ProbeFailure:
@@ -98,16 +125,14 @@ def probe_video(path: str | Path, num_threads: int = 1) -> ProbeResult | ProbeFa
     size = path.stat().st_size
     if size == 0:
         return ProbeFailure(path=p, reason="zero_byte_file", detail=f"{path.name} is empty (0 bytes)")
-    av_info = _pyav_probe(path)
     try:
         reader = decord.VideoReader(p, ctx=decord.cpu(0), num_threads=num_threads)
         frames = len(reader)
         fps = float(reader.get_avg_fps())
         first = reader[0].shape if frames else None
-        if frames >= 2:
-            reader.get_batch([frames - 1])  # the last frame must decode too: catches cut-off streams
     except (decord.DECORDError, RuntimeError) as e:
         message = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
+        av_info = _pyav_probe(path)
         if "error" not in av_info:
             if av_info.get("no_video"):
                 return ProbeFailure(path=p, reason="no_video_stream", detail=f"{path.name}: no video stream in the file")
@@ -125,8 +150,12 @@ def probe_video(path: str | Path, num_threads: int = 1) -> ProbeResult | ProbeFa
         return ProbeFailure(path=p, reason="corrupt_video",
                             detail=f"{path.name} ({size} bytes) starts like {kind} but cannot be read (truncated?): "
                                    f"{av_info['error']}")
+    av_info = _pyav_probe(path, frames, fps if math.isfinite(fps) and fps > 0 else None)
     if av_info.get("no_video"):
         return ProbeFailure(path=p, reason="no_video_stream", detail=f"{path.name}: PyAV finds no video stream")
+    if av_info.get("cut_off"):
+        return ProbeFailure(path=p, reason="corrupt_video",
+                            detail=f"{path.name} ({size} bytes) is cut off: {av_info['cut_off']} (truncated?)")
     if frames < 2:
         return ProbeFailure(path=p, reason="too_few_frames", detail=f"{path.name} has {frames} frame(s); a window needs >= 2")
     if not (math.isfinite(fps) and fps > 0):

@@ -17,8 +17,9 @@ Processes are forked (the parent has not opened a decoder); each dies with the p
 ignores SIGINT (the parent stops everyone on Ctrl-C) and never outlives `distribute`, or, given `pool=Pool()`,
 the pool: then the processes stay for the next distribute() call (the build probes and builds its shards with
 the same processes) and the worker function travels with each task (it must be picklable: module-level).
-Each process gets its first task as soon as it is forked, so the first ones work while the parent forks the
-rest (a fork of a parent holding torch and transformers costs 15-25 ms, serially in the parent). An exception in a
+Each process gets its first task as soon as it is forked, and a next one as soon as it is done, so the first
+ones work through the queue while the parent forks the rest (a fork of a parent holding torch and transformers
+costs 15-25 ms, serially in the parent: 16 of them take ~0.3 s, the time of a few probes each). An exception in a
 worker is raised in the parent with the worker's traceback as its cause; a worker that dies by itself (a
 decoder segfault, the OOM killer) is a WorkerDied error naming its task and what it was working on. A
 cluster distributor (e.g. Ray) would take the same worker and tasks.
@@ -164,16 +165,23 @@ def distribute(worker: Callable[[Any], Any], tasks: list, *, processes: int, str
     slots: list[_Slot] = []
     finished = False
     try:
-        for _ in range(min(processes, len(tasks))):  # each process starts on a task while the next is forked
-            slots.append(pool._lend() if pool is not None else _start(ctx, worker))
-            _assign(slots[-1], todo, worker, 1)
-        for level in range(2, streams + 1):  # then more, round robin: fewer tasks than streams spread evenly
-            for slot in slots:
-                _assign(slot, todo, worker, level)
-        while any(s.running for s in slots):
+        starting = min(processes, len(tasks))  # processes still to take from the pool or fork
+        level = 1  # tasks a process is given at once while others start: one each before any gets a second
+        while (starting and todo) or any(s.running for s in slots):
+            if starting and todo:  # one process more, on a task at once; the ones before it work meanwhile
+                slots.append(pool._lend() if pool is not None else _start(ctx, worker))
+                _assign(slots[-1], todo, worker, 1)
+                starting -= 1
+                if not (starting and todo):  # all started: more tasks each, round robin (few tasks spread evenly)
+                    starting, level = 0, streams
+                    for more in range(2, streams + 1):
+                        for slot in slots:
+                            _assign(slot, todo, worker, more)
             busy = [s for s in slots if s.running]
             timeout = None
-            if stall_s is not None:
+            if starting:  # a fork (~15-25 ms from a parent holding torch) is next: only collect what is done
+                timeout = 0.0
+            elif stall_s is not None:
                 oldest = min(r.last_beat for s in busy for r in s.running.values())
                 timeout = max(0.0, oldest + stall_s - time.monotonic())
             wait([s.conn for s in busy] + [s.process.sentinel for s in busy], timeout)
@@ -216,7 +224,7 @@ def distribute(worker: Callable[[Any], Any], tasks: list, *, processes: int, str
                         todo.appendleft((index, outcome.task))
                     else:
                         yield index, outcome
-                _assign(slot, todo, worker, streams)
+                _assign(slot, todo, worker, level)
         finished = True
     finally:
         if finished and pool is not None:

@@ -63,6 +63,16 @@ def write_rotated(path, width, height, rotation, seconds=4.0, fps=8):
             c.mux(p)
 
 
+def write_faststart(src, dst):
+    """The same packets with the index (moov) first, as phones and web encoders write MP4."""
+    with av.open(str(src)) as i, av.open(str(dst), "w", options={"movflags": "+faststart"}) as o:
+        out = o.add_stream_from_template(i.streams.video[0])
+        for packet in i.demux(i.streams.video[0]):
+            if packet.dts is not None:
+                packet.stream = out
+                o.mux(packet)
+
+
 # ------------------------------------------------------------------------------------- bad inputs
 
 
@@ -74,7 +84,9 @@ def test_every_bad_input_is_one_reject_and_good_videos_build(tmp_path):
     (d / "zero.mp4").write_bytes(b"")
     (d / "text.mp4").write_text("this is not a video\n" * 50)
     data = (d / "good.mp4").read_bytes()
-    (d / "trunc.mp4").write_bytes(data[: len(data) // 2])
+    (d / "trunc.mp4").write_bytes(data[: len(data) // 2])  # its index (moov) is at the end: gone
+    write_faststart(d / "good.mp4", d / "cut.mp4")  # index first: it opens, and its last packet is cut short
+    (d / "cut.mp4").write_bytes((d / "cut.mp4").read_bytes()[:-200])
     write_video(VideoSpec(name="av1", duration_s=1.0, fps=8.0, width=64, height=64, codec="libsvtav1"), d)
     write_video(VideoSpec(name="one", duration_s=0.125, fps=8.0), d)
     write_video(VideoSpec(name="thin", duration_s=1.0, fps=8.0, width=404, height=2), d)
@@ -86,6 +98,7 @@ def test_every_bad_input_is_one_reject_and_good_videos_build(tmp_path):
         {"id": "zero", "video": "zero.mp4", "segments": []},
         {"id": "text", "video": "text.mp4", "segments": []},
         {"id": "trunc", "video": "trunc.mp4", "segments": []},
+        {"id": "cut", "video": "cut.mp4", "segments": []},
         {"id": "av1", "video": "av1.mkv", "segments": []},
         {"id": "one", "video": "one.mp4", "segments": []},
         {"id": "thin", "video": "thin.mp4", "segments": []},
@@ -104,6 +117,7 @@ def test_every_bad_input_is_one_reject_and_good_videos_build(tmp_path):
     got = Counter((r.video_id, r.reason) for r in rejects)
     expected = Counter({
         ("zero", "zero_byte_file"): 1, ("text", "not_a_video"): 1, ("trunc", "corrupt_video"): 1,
+        ("cut", "corrupt_video"): 1,
         ("av1", "unsupported_codec"): 1, ("one", "too_few_frames"): 1, ("thin", "extreme_aspect_ratio"): 1,
         ("missing", "missing_video"): 1, ("orphan", "video_without_annotation"): 1,
         ("order", "segment_end_before_start"): 1, ("negative", "segment_negative"): 1,
@@ -111,7 +125,7 @@ def test_every_bad_input_is_one_reject_and_good_videos_build(tmp_path):
     })
     assert got == expected
     assert all(r.detail and r.stage for r in rejects)
-    assert summary["rejects_by_reason"] == {reason: 1 for _, reason in expected}
+    assert summary["rejects_by_reason"] == Counter(reason for _, reason in expected)
 
     samples = read_records(out / "manifest.parquet", SampleRecord)
     assert Counter(s.video_id for s in samples) == {"good": 3, "good2": 2, "phone": 1}
@@ -121,6 +135,30 @@ def test_every_bad_input_is_one_reject_and_good_videos_build(tmp_path):
     assert tar[phone.key][1][0].size == (phone.width, phone.height)
     frame = np.asarray(tar[phone.key][1][0])
     assert frame.shape == (phone.height, phone.width, 3)
+
+
+def test_a_file_cut_inside_its_last_packet_is_rejected_at_the_probe(tmp_path):
+    """decord counts the packets it can demux, so a cut at a packet boundary is a shorter video; a cut inside the
+    last packet is caught by the probe's read of the last GOP's packets (PyAV flags that packet corrupt), without
+    decoding the last frame."""
+    from prep.probe import ProbeFailure, probe_video
+
+    whole = tmp_path / "whole.mp4"
+    rng = np.random.default_rng(0)
+    with av.open(str(whole), "w", options={"movflags": "+faststart"}) as c:  # the index first: a cut file opens
+        s = c.add_stream("libx264", rate=8, options={"g": "16"})
+        s.width, s.height, s.pix_fmt = 160, 96, "yuv420p"
+        for _ in range(80):
+            for p in s.encode(av.VideoFrame.from_ndarray(rng.integers(0, 255, (96, 160, 3), np.uint8), format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    assert probe_video(whole).frames == 80
+    cut = tmp_path / "cut.mp4"
+    cut.write_bytes(whole.read_bytes()[:-200])
+    failure = probe_video(cut)
+    assert isinstance(failure, ProbeFailure) and failure.reason == "corrupt_video"
+    assert "is cut off: its packet at 9.88 s is cut short" in failure.detail
 
 
 def test_no_sample_exits_nonzero_with_message(tmp_path, capsys):
