@@ -35,12 +35,6 @@ from prep.budget import FPS_MAX_FRAMES, FPS_MIN_FRAMES, PATCH_SIZE, FramePlan, V
 from prep.decode import RESIZE, DecodeError, decode_windows, encode_windows, read_ahead
 from prep.decoders import BACKENDS, DECORD_EXACT_CODECS, DEFAULT_BACKEND, EXACT_FALLBACK, backend_for
 from prep.decoders import available as decoder_available
-from prep.gpu import BACKEND as GPU_BACKEND
-from prep.gpu import GPU_WORKERS
-from prep.gpu import JPEG as GPU_JPEG
-from prep.gpu import CLASH_WHY, clashing_modules
-from prep.gpu import RESIZE as GPU_RESIZE
-from prep.gpu import available as gpu_available
 from prep.outdir import (PLAN_FILE, BuildIOError, BuildLock, BuildLocked, io_stage, our_files, part_lock_name, sweep_temps,
                          tmp_name)
 from prep.probe import ProbeFailure, ProbeResult, probe_video
@@ -83,7 +77,6 @@ QVH_QUERY_TEMPLATE = (
     "in seconds from the start of the clip, or [] if there is none."
 )
 DECODE_TIMEOUT_S = 300.0  # a window of a long 4K video decodes in seconds; minutes without one is a hang
-DEVICES = ("cpu", "cuda")  # --device: where frames are decoded, resized and JPEG-encoded
 SPECIAL_TOKENS = ("<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_start|>", "<|im_end|>")
 
 
@@ -125,7 +118,6 @@ class BuildConfig:
     query_template: str | None = None  # None: "{query}" (qvhighlights: QVH_QUERY_TEMPLATE)
     jpeg_quality: int = 95
     decoder: str = DEFAULT_BACKEND  # prep/decoders.py: decord | torchcodec | pyav
-    device: str = "cpu"  # cpu | cuda: NVDEC decode + GPU resize + nvjpeg (prep/gpu.py)
     samples_per_shard: int = 256
     shard_size_mb: float | None = 1024.0
     workers: int | None = None  # None: all cores available to this process (--ray: shard tasks in flight, None: no cap)
@@ -145,7 +137,7 @@ class BuildConfig:
         if self.query_template is None:
             self.query_template = QVH_QUERY_TEMPLATE if self.format == "qvhighlights" else "{query}"
         if self.workers is None and self.ray is None:
-            self.workers = _cores() if self.device != "cuda" else min(_cores(), GPU_WORKERS)
+            self.workers = _cores()
 
     def problems(self) -> list[str]:
         """Everything wrong with this config at once (empty when valid)."""
@@ -176,23 +168,8 @@ class BuildConfig:
             p.append("--jpeg-quality must be in 1..100")
         if self.decoder not in BACKENDS:
             p.append(f"--decoder must be one of {BACKENDS}, got {self.decoder!r}")
-        elif why := decoder_available(self.decoder, isolated=self.device == "cuda"):  # cuda: never loaded here
+        elif why := decoder_available(self.decoder):
             p.append(why)
-        if self.device not in DEVICES:
-            p.append(f"--device must be one of {DEVICES}, got {self.device!r}")
-        elif self.device == "cuda":
-            if self.decoder != DEFAULT_BACKEND:
-                p.append(f"--device cuda decodes with NVDEC (PyNvVideoCodec); --decoder picks a CPU decoder: leave it "
-                         f"at {DEFAULT_BACKEND} (the probe's decoder)")
-            if self.ray is not None:
-                p.append("--device cuda runs local worker processes sharing this machine's GPU; it does not combine "
-                         "with --ray")
-            if why := gpu_available():  # a child process checks: CUDA must stay uninitialized before the fork
-                p.append(why)
-            if loaded := clashing_modules():  # the NVDEC workers are forked from this process (prep/gpu.py, Workers)
-                p.append(f"--device cuda forks its NVDEC workers from this process, which has already imported "
-                         f"{' and '.join(loaded)} ({CLASH_WHY}): run `python -m prep build` in a fresh "
-                         f"process, or call build() before anything imports them")
         if self.samples_per_shard < 1:
             p.append("--samples-per-shard must be >= 1")
         if self.workers is not None and self.workers < 1:
@@ -248,8 +225,6 @@ class BuildConfig:
                 if k not in ("out", "workers", "decode_timeout", "overwrite", "progress", "ray", "part", "assemble",
                              "max_frames")}  # max_frames is in the budget below (an old build keeps its fingerprint)
         keep["budget"] = dataclasses.asdict(self.budget())
-        if keep["device"] == "cpu":
-            del keep["device"]  # a CPU build keeps the fingerprint it had before --device existed
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
 
 
@@ -316,7 +291,6 @@ class WorkerSettings:
     prompt_layout: str
     jpeg_quality: int
     decoder: str  # prep/decoders.py backend
-    device: str  # cpu | cuda (prep/gpu.py: NVDEC + GPU resize + nvjpeg; `decoder` then only probed)
     decode_timeout: float  # --decode-timeout, for the reject detail (the parent's watchdog enforces it)
     decode_threads: int  # decord threads per worker process
     encode_threads: int  # resize + JPEG threads per worker process, running while the decoder works
@@ -424,8 +398,6 @@ def probe_one(path: str) -> ProbeResult | ProbeFailure:
 def process_shard(task: ShardTask) -> dict:
     """Build one shard from scratch: plan, tokenize, decode each file once, write; stats.json last.
     A file in task.timed_out (its decode hung in an earlier attempt) is not opened: its windows are rejects."""
-    if task.settings.device == "cuda":
-        _refuse_clashing_modules(task)
     paths = task.paths
     _one_torch_thread()
     with io_stage("write shard", paths.tar):
@@ -461,18 +433,6 @@ def process_shard(task: ShardTask) -> dict:
     with io_stage("write stats", paths.stats):
         write_stats(paths, stats)
     return stats
-
-
-def _refuse_clashing_modules(task: ShardTask) -> None:
-    """A --device cuda shard runs only in a process without decord or PyAV loaded (prep/gpu.py, Workers). The build
-    ensures it; this says so, before anything is written, if something broke that: a BuildError that stops the
-    build, naming the module and the file NVDEC was about to open, instead of a segfault there (a WorkerDied
-    naming no cause) or a decode_error reject per window: the cause is the process, not the file, and rejects
-    would sit in a complete shard that a rerun from a fresh process then skips."""
-    if loaded := clashing_modules():
-        raise BuildError(f"{task.paths.name}: this --device cuda worker (pid {os.getpid()}) has {' and '.join(loaded)} "
-                         f"loaded before NVDEC opens {task.videos[0].probe.path} ({CLASH_WHY}): "
-                         f"nothing of the shard was written; run `python -m prep build` in a fresh process")
 
 
 def warm_shard_worker(task: ShardTask) -> None:
@@ -562,16 +522,10 @@ def _process_file(jobs: list[VideoJob], s: WorkerSettings, tokenizer, pool: Exec
     if planned:
         indices = [p[2].frame_indices for p in planned]
         sizes = [(p[2].height, p[2].width) for p in planned]
-        if s.device == "cuda":  # decode, resize and JPEG on the GPU, one window at a time
-            from prep import gpu
-
-            decoded = gpu.decode_windows(probe.path, indices, rotation=probe.rotation, size=(probe.height, probe.width))
-            windows = _timed(gpu.encode_windows(decoded, sizes, s.jpeg_quality), t, "gpu_s", beat=probe.path)
-        else:
-            decoded = read_ahead(_timed(decode_windows(probe.path, indices, backend=backend_for(s.decoder, probe.codec),
-                                                       num_threads=s.decode_threads, rotation=probe.rotation),
-                                        t, "decode_s", beat=probe.path))
-            windows = encode_windows(decoded, sizes, s.jpeg_quality, pool)
+        decoded = read_ahead(_timed(decode_windows(probe.path, indices, backend=backend_for(s.decoder, probe.codec),
+                                                   num_threads=s.decode_threads, rotation=probe.rotation),
+                                    t, "decode_s", beat=probe.path))
+        windows = encode_windows(decoded, sizes, s.jpeg_quality, pool)
         t0 = time.perf_counter()
         try:
             for pos, jpegs, encode_s in windows:
@@ -748,9 +702,9 @@ def worker_threads(workers: int, tasks: int | None = None) -> ThreadSplit:
 
 
 def _thread_split(config: BuildConfig, tasks: int) -> ThreadSplit:
-    """worker_threads for a local CPU build; one stream elsewhere: a Ray task gets one CPU (one decoder thread +
-    one encode thread, as a local worker on a full machine), --device cuda's few processes share one GPU."""
-    if config.ray is not None or config.device == "cuda":
+    """worker_threads for a local build; one stream under --ray: a Ray task gets one CPU (one decoder thread +
+    one encode thread, as a local worker on a full machine)."""
+    if config.ray is not None:
         return ThreadSplit(streams=1, decode=1, encode=1)
     return worker_threads(config.workers, tasks)
 
@@ -782,7 +736,7 @@ def build(config: BuildConfig) -> dict:
                 print(f"prep build: took over {lock.path} from {lock.previous}: that build ended without releasing "
                       f"it (killed?); its unfinished shards are rebuilt", file=sys.stderr)
         # any OS error a named stage below did not catch; the probes' processes build the shards too (one
-        # fork round; not under --device cuda: _run_shards), the pool stops them at the end
+        # fork round), the pool stops them at the end
         with io_stage("build", config.out), Pool() as pool:
             return _build_locked(config, pool)
     finally:
@@ -862,7 +816,7 @@ def _build_locked(config: BuildConfig, pool: Pool) -> dict:
     split = _thread_split(config, len(todo))
     settings = WorkerSettings(budget=budget, tokenizer=str(config.tokenizer) if config.tokenizer else None,
                               bound=bound, prompt_layout=config.prompt_layout, jpeg_quality=config.jpeg_quality,
-                              decoder=config.decoder, device=config.device, decode_timeout=config.decode_timeout,
+                              decoder=config.decoder, decode_timeout=config.decode_timeout,
                               decode_threads=split.decode, encode_threads=split.encode)
     tasks = [ShardTask(index=i, out=out.absolute(), videos=[j for key in g for j in units[key]], settings=settings)
              for i, g in enumerate(unit_groups)]
@@ -930,10 +884,7 @@ def _build_locked(config: BuildConfig, pool: Pool) -> dict:
 
 def _decode_info(config: BuildConfig, codecs: set[str]) -> DecodeInfo:
     """codecs: those of the build's samples, each recorded with the backend that decoded it."""
-    if config.device == "cuda":
-        return DecodeInfo(backend=GPU_BACKEND, resize=GPU_RESIZE, jpeg_quality=config.jpeg_quality, device="cuda",
-                          jpeg_encoder=GPU_JPEG, backends={c: GPU_BACKEND for c in sorted(codecs)})
-    return DecodeInfo(backend=config.decoder, resize=RESIZE, jpeg_quality=config.jpeg_quality, device="cpu",
+    return DecodeInfo(backend=config.decoder, resize=RESIZE, jpeg_quality=config.jpeg_quality,
                       backends={c: backend_for(config.decoder, c) for c in sorted(codecs)})
 
 
@@ -989,9 +940,9 @@ def _probe_all(paths: list[str], config: BuildConfig, pool: Pool) -> list[ProbeR
 
     out: list = [None] * len(paths)
     # probes run here, also under --ray, in one single-threaded process per core (at least --workers): a
-    # probe decodes a frame or two plus the last GOP, and one process per worker left 15 of 16 cores idle
-    # at --workers 1 (the shard stage then gives each worker cores // workers threads)
-    processes = max(_cores(), config.workers or 0) if config.device != "cuda" else _cores()
+    # probe decodes a frame or two and reads the last GOP's packets, and one process per worker left 15 of 16
+    # cores idle at --workers 1 (the shard stage then gives each worker cores // workers threads)
+    processes = max(_cores(), config.workers or 0)
     with closing(distribute(probe_one, paths, processes=processes, stall_s=_stall_s(config),
                             on_stall=on_stall, pool=pool)) as results:
         for i, result in results:
@@ -1011,9 +962,7 @@ def _run_shards(tasks: list[ShardTask], config: BuildConfig, pool: Pool, streams
     update = BuildProgress(bar)
 
     on_stall = ShardStall(decode_timeout=config.decode_timeout)
-    # the probe's extra processes exit while shards start; under cuda all of them: they loaded decord and PyAV,
-    # and NVDEC must open in processes that never did (prep/gpu.py, Workers), forked afresh from this one
-    pool.keep(config.workers if config.ray is None and config.device != "cuda" else 0)
+    pool.keep(config.workers if config.ray is None else 0)  # the probe's extra processes exit while shards start
     try:
         if config.ray is None:
             results = distribute(process_shard, tasks, processes=config.workers, streams=streams,
@@ -1130,19 +1079,13 @@ def parser() -> argparse.ArgumentParser:
            "(fallback); same frame indices and timestamps, pixels within 1 level (README); the probe uses decord. "
            f"decord decodes only {', '.join(DECORD_EXACT_CODECS)}: it returns neighbouring frames on HEVC and "
            f"MPEG-4 with B-frames, so other codecs are decoded by {EXACT_FALLBACK} (build.json decode.backends)")
-    a("--device", choices=DEVICES, default="cpu",
-      help="cpu: --decoder + torch resize + PIL JPEG in --workers processes; cuda: NVDEC decode (pip install "
-           "pynvvideocodec), GPU resize and nvjpeg (torchvision) in a few processes sharing the GPU (--workers, "
-           f"default min(cores, {GPU_WORKERS})); the CPU path's frame indices, colour conversion and resize, nvjpeg's "
-           "own JPEG bytes (prep/gpu.py). On one H200 it was slower than the same host's 16 CPU cores on 640x360 "
-           "video (BENCHMARKS.md, GPU decode)")
     a("--samples-per-shard", type=int, default=256, help="target samples per shard (whole videos; a shard may hold fewer)")
     a("--shard-size-mb", type=float, default=1024.0, help="soft cap on estimated shard size in MiB (0: none)")
     a("--workers", type=int, default=None,
       help="processes that build shards (default: all cores); each keeps cores // workers cores busy by building "
            "up to 3/4 of that many shards at once, one decoder thread each (fewer shards: more decoder threads "
            "each), with a quarter of the cores for resize + JPEG (prep.build.worker_threads); probing runs in "
-           "max(cores, workers) single-threaded processes, the same ones (--device cuda: fresh ones build the shards)")
+           "max(cores, workers) single-threaded processes, the same ones")
     a("--decode-timeout", type=float, default=DECODE_TIMEOUT_S,
       help="seconds a video's probe or decode may go without finishing a window; past it the video is rejected "
            "(decode_timeout), its worker process is killed and replaced, and the build goes on (0: no watchdog)")

@@ -76,21 +76,8 @@ def backend_for(requested: str, codec: str) -> str:
     return requested
 
 
-def available(backend: str, *, isolated: bool = False) -> str | None:
-    """None when `backend` can decode here, else why not (missing package, missing FFmpeg libraries).
-    isolated: ask a child process, so this one never loads the decoder's libraries (`--device cuda` forks its
-    NVDEC workers from this process; prep/gpu.py, Workers)."""
-    if isolated:
-        import subprocess
-        import sys
-        from pathlib import Path
-
-        code = "import sys; from prep.decoders import available; sys.exit(available(sys.argv[1]) or 0)"
-        run = subprocess.run([sys.executable, "-c", code, backend], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parents[1])
-        if run.returncode == 0:
-            return None
-        return (run.stderr.strip().splitlines() or [f"--decoder {backend}: the check exited {run.returncode}"])[-1]
+def available(backend: str) -> str | None:
+    """None when `backend` can decode here, else why not (missing package, missing FFmpeg libraries)."""
     try:
         if backend == "decord":
             import decord  # noqa: F401
@@ -117,8 +104,7 @@ def _upright(frames: np.ndarray, rotation: int) -> np.ndarray:
 
 
 def take_forward(reader, indices: Sequence[int], convert, label: str, note=lambda: "") -> list:
-    """The frames at sorted `indices` from a reader that decodes forward only (PyAV here, NVDEC in
-    prep/gpu.py): `reader._frames` yields frame `reader._next` next, in presentation order, so frame i is
+    """The frames at sorted `indices` from a reader that decodes forward only (PyAV): `reader._frames` yields frame `reader._next` next, in presentation order, so frame i is
     the i-th frame out. `convert` turns each wanted frame into an array while it is current. DecodeError
     when the file ends first, with `note()` appended (read then: the iterator may have set it)."""
     out, want = [], None

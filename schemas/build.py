@@ -56,11 +56,14 @@ class InputBound:
 class DecodeInfo:
     """How frames went from the source to the stored JPEGs."""
 
-    backend: str  # decoder, e.g. decord, or pynvvideocodec (NVDEC) under --device cuda
+    backend: str  # decoder, e.g. decord (--decoder)
     resize: str  # resize rule, in words
     jpeg_quality: int  # JPEG quality of the stored frames
-    device: str = "cpu"  # where decode, resize and JPEG ran: cpu | cuda (prep/gpu.py); older files: cpu
-    jpeg_encoder: str = "PIL (libjpeg-turbo)"  # what wrote the JPEG bytes (nvjpeg under --device cuda)
+    # where decode, resize and JPEG ran, and what wrote the JPEG bytes: always cpu and PIL now; a build of
+    # sessions 6-15 made with the experimental `--device cuda` (NVDEC + nvjpeg, removed: BENCHMARKS.md, GPU
+    # decode) says cuda and nvjpeg
+    device: str = "cpu"
+    jpeg_encoder: str = "PIL (libjpeg-turbo)"
     # codec (PyAV name) -> the backend that decoded the build's files of it: decord hands the codecs it gets
     # wrong to PyAV (prep/decoders.py backend_for); older files: {}
     backends: dict[str, str] = dataclasses.field(default_factory=dict)

@@ -80,7 +80,7 @@ def default_videos(cache: Path) -> Path:
 def _write_issue_clip(job: tuple[int, str]) -> str:
     from scripts.synth_videos import VideoSpec, write_video
 
-    i, out = job  # the clips scripts.gpu_decode_probe's videos stage writes for its set (same seeds and event)
+    i, out = job  # the issue's set (seeds and event as the GPU decode measurements of sessions 4-12 used)
     spec = VideoSpec(name=f"synth_{i:03d}", duration_s=ISSUE_SET["duration_s"], fps=ISSUE_SET["fps"],
                      width=ISSUE_SET["width"], height=ISSUE_SET["height"], events=((2.0, 9.0),), seed=i)
     return str(write_video(spec, out))
