@@ -455,8 +455,12 @@ def warm_shard_worker(task: ShardTask) -> None:
 
 def warm_before_fork(tokenizer: str | None, layout: str) -> None:
     """First calls every shard worker makes, done once in the process its workers are forked from: loading the
-    tokenizer, compiling its chat template, pyarrow's first from_pylist (imports pandas, 0.5 s). Nothing here
-    starts a thread (torch's resize is warmed in the workers: its thread pool must not exist before a fork)."""
+    tokenizer, compiling its chat template, pyarrow's first from_pylist (imports pandas, 0.5 s), importing the
+    probe's decord and PyAV (av: 40 ms in each forked process otherwise, on the 2-core box). Nothing here starts a
+    thread (torch's resize is warmed in the workers: its thread pool must not exist before a fork)."""
+    import av  # noqa: F401
+    import decord  # noqa: F401
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as in the build's own process (forks follow)
     tok = load_tokenizer(tokenizer)
     tokenize_sample(tok, query="warm-up", answer="[]", group_times_s=[0.0], tokens_per_group=4, layout=layout)
