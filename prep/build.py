@@ -456,7 +456,8 @@ def warm_shard_worker(task: ShardTask) -> None:
 def warm_before_fork(tokenizer: str | None, layout: str) -> None:
     """First calls every shard worker makes, done once in the process its workers are forked from: loading the
     tokenizer, compiling its chat template, pyarrow's first from_pylist (imports pandas, 0.5 s), importing the
-    probe's decord and PyAV (av: 40 ms in each forked process otherwise, on the 2-core box). Nothing here starts a
+    probe's decord and PyAV (a forked process's first probe costs ~190 ms of CPU when it imports av itself, ~60 ms
+    when the parent did: 2-core box, BENCHMARKS.md, Prep, session 16). Nothing here starts a
     thread (torch's resize is warmed in the workers: its thread pool must not exist before a fork)."""
     import av  # noqa: F401
     import decord  # noqa: F401
