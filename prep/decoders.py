@@ -104,9 +104,10 @@ def _upright(frames: np.ndarray, rotation: int) -> np.ndarray:
 
 
 def take_forward(reader, indices: Sequence[int], convert, label: str, note=lambda: "") -> list:
-    """The frames at sorted `indices` from a reader that decodes forward only (PyAV): `reader._frames` yields frame `reader._next` next, in presentation order, so frame i is
-    the i-th frame out. `convert` turns each wanted frame into an array while it is current. DecodeError
-    when the file ends first, with `note()` appended (read then: the iterator may have set it)."""
+    """The frames at sorted `indices` from a reader that decodes forward only (PyAV): `reader._frames` yields
+    frame `reader._next` next, in presentation order, so frame i is the i-th frame out. `convert` turns each
+    wanted frame into an array while it is current. DecodeError when the file ends first, with `note()` appended
+    (read then: the iterator may have set it)."""
     out, want = [], None
     try:
         for want in indices:

@@ -172,11 +172,13 @@ def distribute(worker: Callable[[Any], Any], tasks: list, *, processes: int, str
                 slots.append(pool._lend() if pool is not None else _start(ctx, worker))
                 _assign(slots[-1], todo, worker, 1)
                 starting -= 1
-                if not (starting and todo):  # all started: more tasks each, round robin (few tasks spread evenly)
-                    starting, level = 0, streams
-                    for more in range(2, streams + 1):
-                        for slot in slots:
-                            _assign(slot, todo, worker, more)
+            if not todo:  # the ones started took every task: none more is started
+                starting = 0
+            if not starting and level < streams:  # all started: more tasks each, round robin (few spread evenly)
+                level = streams
+                for more in range(2, streams + 1):
+                    for slot in slots:
+                        _assign(slot, todo, worker, more)
             busy = [s for s in slots if s.running]
             timeout = None
             if starting:  # a fork (~15-25 ms from a parent holding torch) is next: only collect what is done

@@ -39,9 +39,15 @@ def test_every_task_comes_back_with_its_index_and_progress_reaches_the_parent():
     assert not children()
 
 
+def nap(seconds):
+    time.sleep(seconds)
+    return os.getpid()
+
+
 def test_processes_started_first_take_the_next_tasks_while_the_others_start(monkeypatch):
     """Forks are serial in the parent (15-25 ms each from one holding torch): a process that is done gets the next
-    task at once instead of waiting for the last fork, and no process is started once no task is left for it."""
+    task at once instead of waiting for the last fork, no process is started once no task is left for it, and the
+    parent then waits for results instead of polling for them."""
     import prep.workers as workers
 
     start, calls = workers._start, []
@@ -53,11 +59,13 @@ def test_processes_started_first_take_the_next_tasks_while_the_others_start(monk
         return start(ctx, worker)
 
     monkeypatch.setattr(workers, "_start", slow_second_start)
-    with closing(distribute(square, [0, 1, 2], processes=3)) as results:
-        got = dict(results)
-    assert {i: v for i, (v, _) in got.items()} == {0: 0, 1: 1, 2: 4}
+    cpu = time.process_time()
+    with closing(distribute(nap, [0.0, 1.5, 1.5], processes=3)) as results:
+        pids = dict(results)
+    cpu = time.process_time() - cpu
     assert len(calls) == 2  # the third process was never forked: the first took task 2 while the second started
-    assert got[2][1] == got[0][1] != got[1][1]
+    assert pids[2] == pids[0] != pids[1]
+    assert cpu < 0.5, f"the parent used {cpu:.2f} s of CPU while its workers slept 1.5 s"
     assert not children()
 
 
