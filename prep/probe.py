@@ -106,6 +106,9 @@ def _cut_off(container, stream, frames: int, fps: float) -> str:
     last_s = (frames - 1) / fps
     try:
         container.seek(start + int(last_s / stream.time_base), stream=stream, backward=True, any_frame=False)
+    except av.FFmpegError:
+        pass  # a file FFmpeg cannot seek in is read from where it is (after its first frame) to its end
+    try:
         for packet in container.demux(stream):
             if packet.size and packet.is_corrupt:
                 at = f"{float((packet.pts - start) * stream.time_base):.2f} s" if packet.pts is not None else "the end"

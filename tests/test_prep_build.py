@@ -11,6 +11,7 @@ import sys
 import tarfile
 import time
 from collections import Counter, defaultdict
+from fractions import Fraction
 from pathlib import Path
 
 import av
@@ -159,6 +160,28 @@ def test_a_file_cut_inside_its_last_packet_is_rejected_at_the_probe(tmp_path):
     failure = probe_video(cut)
     assert isinstance(failure, ProbeFailure) and failure.reason == "corrupt_video"
     assert "is cut off: its packet at 9.88 s is cut short" in failure.detail
+
+
+def test_a_file_ffmpeg_cannot_seek_in_is_read_to_its_end_for_the_cut_off_check():
+    from types import SimpleNamespace as NS
+
+    from prep.probe import _cut_off
+
+    class Unseekable:
+        def __init__(self, packets):
+            self.packets = packets
+
+        def seek(self, *args, **kwargs):
+            raise av.error.PermissionError(1, "Operation not permitted")
+
+        def demux(self, stream):
+            return iter(self.packets)
+
+    stream = NS(start_time=None, time_base=Fraction(1, 8))
+    whole = [NS(size=100, is_corrupt=False, pts=i) for i in range(10)] + [NS(size=0, is_corrupt=False, pts=None)]
+    assert _cut_off(Unseekable(whole), stream, frames=10, fps=8.0) == ""
+    cut = whole[:9] + [NS(size=40, is_corrupt=True, pts=9)]
+    assert _cut_off(Unseekable(cut), stream, frames=10, fps=8.0) == "its packet at 1.12 s is cut short (40 bytes left)"
 
 
 def test_no_sample_exits_nonzero_with_message(tmp_path, capsys):
