@@ -103,26 +103,6 @@ def _upright(frames: np.ndarray, rotation: int) -> np.ndarray:
     return np.ascontiguousarray(np.rot90(frames, k=k, axes=(1, 2))) if k else frames
 
 
-def take_forward(reader, indices: Sequence[int], convert, label: str, note=lambda: "") -> list:
-    """The frames at sorted `indices` from a reader that decodes forward only (PyAV): `reader._frames` yields
-    frame `reader._next` next, in presentation order, so frame i is the i-th frame out. `convert` turns each
-    wanted frame into an array while it is current. DecodeError when the file ends first, with `note()` appended
-    (read then: the iterator may have set it)."""
-    out, want = [], None
-    try:
-        for want in indices:
-            while True:
-                frame = next(reader._frames)
-                reader._next += 1
-                if reader._next - 1 == want:
-                    out.append(convert(frame))
-                    break
-    except StopIteration:
-        raise DecodeError(f"{label}: {reader.path} ends after {reader._next} frames, frame {want} was asked"
-                          f"{note()}") from None
-    return out
-
-
 class _Decord:
     def __init__(self, path: str, *, num_threads: int, rotation: int):
         import decord
@@ -226,7 +206,7 @@ class _PyAV:
             if self._pts is None:
                 if indices[0] < self._next:
                     self._open()  # behind the current position: decode from the start again
-                out = take_forward(self, indices, self._rgb, "PyAV")
+                out = self._take_counted(indices)
             else:
                 start = self._seek_point(indices[0])
                 if indices[0] < self._next or start > self._next:
@@ -243,6 +223,21 @@ class _PyAV:
 
     def _rgb(self, frame) -> np.ndarray:
         return frame.to_ndarray(format="rgb24")
+
+    def _take_counted(self, indices: Sequence[int]) -> list:
+        """Frames of a file whose packets do not number its frames: frame i is the i-th one decoded."""
+        out, want = [], None
+        try:
+            for want in indices:
+                while True:
+                    frame = next(self._frames)
+                    self._next += 1
+                    if self._next - 1 == want:
+                        out.append(self._rgb(frame))
+                        break
+        except StopIteration:
+            raise DecodeError(f"PyAV: {self.path} ends after {self._next} frames, frame {want} was asked") from None
+        return out
 
     def _take_by_pts(self, indices: Sequence[int]) -> list:
         wanted, got = set(indices), {}

@@ -271,6 +271,20 @@ def test_pyav_seeks_to_far_frames_and_gives_the_frames_of_decoding_from_the_star
     reader.close()
 
 
+def test_pyav_counts_frames_where_packets_do_not_number_them(tmp_path):
+    """A file whose packets lack timestamps (or repeat one) is decoded from its start and its frames counted: the
+    same frames as the timestamp path, a request behind the position reopens, one past the end is a DecodeError."""
+    path = write_gop_clip(tmp_path, "h264", frames=90)
+    every = open_reader("pyav", path).get_batch(list(range(90)))
+    reader = open_reader("pyav", path)
+    reader._pts = None  # what _index leaves for such a file
+    for request in ([40, 41, 70], [3, 5], [89]):
+        assert np.array_equal(reader.get_batch(request), every[request]), request
+    with pytest.raises(DecodeError, match="ends after 90 frames, frame 95 was asked"):
+        reader.get_batch([95])
+    reader.close()
+
+
 def test_read_ahead_keeps_order_raises_after_the_items_before_and_closes_its_source_when_left():
     import threading
 
