@@ -31,11 +31,10 @@ from contextlib import closing
 from typing import Any
 
 from prep import faults
-from prep.workers import Pool, WorkerDied
+from prep.workers import WorkerDied
 from prep.workers import distribute as local_distribute
 
 MAX_RETRIES = 3
-_CHILD = Pool()  # in a Ray worker: its forked child, kept for the worker's next task (run_watched)
 
 
 class RayUnavailable(RuntimeError):
@@ -44,17 +43,16 @@ class RayUnavailable(RuntimeError):
 
 def run_watched(worker: Callable[[Any], Any], task: Any, stall_s: float | None,
                 on_stall: Callable[[Any, str, float], Any] | None, warm: Callable[[Any], None] | None = None) -> Any:
-    """Inside a Ray task: worker(task) in a forked child under the local watchdog; its result.
-    warm(task) runs first in the Ray worker itself, so a child forked from it inherits what it loaded (the build
-    loads its tokenizer there: ~2 CPU s per shard otherwise, measured on the 2-core box). The child stays for the
-    Ray worker's next task (a stalled one is replaced), as a local build's workers do."""
+    """Inside a Ray task: worker(task) in one forked child under the local watchdog; its result.
+    warm(task) runs first in the Ray worker itself, so every child forked from it inherits what it loaded
+    (the build loads its tokenizer there: ~2 CPU s per shard otherwise, measured on the 2-core box)."""
     faults.TASK_PROCESS = os.getpid()  # a kill_worker fault kills this Ray worker, not only the child
     if warm is not None:
         warm(task)
-    with closing(local_distribute(worker, [task], processes=1, stall_s=stall_s, on_stall=on_stall,
-                                  pool=_CHILD)) as results:
-        (_, result), = results
-    return result
+    with closing(local_distribute(worker, [task], processes=1, stall_s=stall_s, on_stall=on_stall)) as results:
+        for _, result in results:
+            return result
+    raise RuntimeError("the local watchdog returned no result")  # unreachable: distribute yields once per task
 
 
 def connect(address: str | None) -> bool:
