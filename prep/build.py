@@ -445,12 +445,8 @@ def warm_shard_worker(task: ShardTask) -> None:
 
     warm_before_fork(task.settings.tokenizer, task.settings.prompt_layout)
     encode_frame(np.zeros((36, 64, 3), np.uint8), 32, 48, task.settings.jpeg_quality)  # torch's resize kernels too
-    if task.settings.decoder == "torchcodec":
+    if task.settings.decoder == "torchcodec":  # decord and PyAV: warm_before_fork imports them (the probe's)
         from torchcodec.decoders import VideoDecoder  # noqa: F401
-    elif task.settings.decoder == "pyav":
-        import av  # noqa: F401
-    else:
-        import decord  # noqa: F401
 
 
 def warm_before_fork(tokenizer: str | None, layout: str) -> None:
