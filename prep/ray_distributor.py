@@ -5,9 +5,11 @@
 Same contract as prep.workers.distribute (results in completion order with their task index; use it under
 contextlib.closing()), so the build does not know which one runs its shards. Ray is imported here only.
 
-Each Ray task runs `worker(task)` in a forked child under prep/workers.py's own watchdog (one process, the
-same stall_s / on_stall), so a decoder hang on a cluster node is rejected exactly as it is locally, and the
-child dies with its Ray worker (PR_SET_PDEATHSIG). Failures:
+Each Ray task runs `worker(task)` in a forked child of its Ray worker under prep/workers.py's own watchdog (one
+process, the same stall_s / on_stall), so a decoder hang on a cluster node is rejected exactly as it is locally,
+and the child dies with its Ray worker (PR_SET_PDEATHSIG). The child stays for that Ray worker's next task, as a
+local build's processes do: a fresh fork per shard paid ~55 ms of copy-on-write page faults and first calls on a
+0.45 CPU s shard (BENCHMARKS.md, Prep). Failures:
   - a Ray worker or node that dies (killed, OOM, lost machine) is retried by Ray: max_retries times;
   - a child that dies by itself (WorkerDied: a decoder segfault, the OOM killer) is retried the same way;
   - any other exception is the task's error, raised here as itself (BuildError, BuildIOError, ...).
@@ -31,10 +33,11 @@ from contextlib import closing
 from typing import Any
 
 from prep import faults
-from prep.workers import WorkerDied
+from prep.workers import Pool, WorkerDied
 from prep.workers import distribute as local_distribute
 
 MAX_RETRIES = 3
+_CHILD = Pool()  # in a Ray worker: its forked child, kept for the worker's next task (run_watched)
 
 
 class RayUnavailable(RuntimeError):
@@ -43,16 +46,17 @@ class RayUnavailable(RuntimeError):
 
 def run_watched(worker: Callable[[Any], Any], task: Any, stall_s: float | None,
                 on_stall: Callable[[Any, str, float], Any] | None, warm: Callable[[Any], None] | None = None) -> Any:
-    """Inside a Ray task: worker(task) in one forked child under the local watchdog; its result.
-    warm(task) runs first in the Ray worker itself, so every child forked from it inherits what it loaded
-    (the build loads its tokenizer there: ~2 CPU s per shard otherwise, measured on the 2-core box)."""
+    """Inside a Ray task: worker(task) in a forked child under the local watchdog; its result.
+    warm(task) runs first in the Ray worker itself, so a child forked from it inherits what it loaded (the build
+    loads its tokenizer there: ~2 CPU s per shard otherwise, measured on the 2-core box). The child stays for the
+    Ray worker's next task (a stalled one is replaced), as a local build's workers do."""
     faults.TASK_PROCESS = os.getpid()  # a kill_worker fault kills this Ray worker, not only the child
     if warm is not None:
         warm(task)
-    with closing(local_distribute(worker, [task], processes=1, stall_s=stall_s, on_stall=on_stall)) as results:
-        for _, result in results:
-            return result
-    raise RuntimeError("the local watchdog returned no result")  # unreachable: distribute yields once per task
+    with closing(local_distribute(worker, [task], processes=1, stall_s=stall_s, on_stall=on_stall,
+                                  pool=_CHILD)) as results:
+        (_, result), = results
+    return result
 
 
 def connect(address: str | None) -> bool:

@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 import ray  # in the test extra: a missing Ray fails here, it is never skipped
 
+from prep import ray_distributor
 from prep.build import BuildConfig, build
 from prep.faults import FAULT_ENV, FAULT_ONCE_ENV
 from schemas.build import BuildRecord
@@ -125,3 +127,15 @@ def test_a_killed_ray_worker_is_retried_and_a_hung_decoder_is_rejected_on_the_cl
     assert not list(out.glob("*.tmp"))  # the killed attempt's temp tar was swept at the end
     err = capfd.readouterr().err
     assert "decoding" in err and "vid_b.mp4 made no progress" in err
+
+
+def test_a_ray_worker_keeps_its_forked_child_for_its_next_task(cluster):
+    # each task reports the process it ran in and that process's parent (the Ray worker): one child per Ray worker,
+    # however many tasks it ran (a fork per task gives six children)
+    stats = dict(ray_distributor.distribute(Path.read_text, [Path("/proc/self/stat")] * 6, in_flight=1))
+    assert sorted(stats) == list(range(6))
+    # /proc/self/stat: "pid (comm) state ppid ..."
+    runs = [(int(s.rsplit(")", 1)[1].split()[1]), int(s.split()[0])) for s in stats.values()]
+    ray_workers = {parent for parent, _ in runs}
+    assert len(set(runs)) == len(ray_workers) < 6
+    assert all(child != parent for parent, child in runs)
