@@ -39,7 +39,7 @@ from prep.outdir import (PLAN_FILE, BuildIOError, BuildLock, BuildLocked, io_sta
                          tmp_name)
 from prep.probe import ProbeFailure, ProbeResult, probe_video
 from prep.shards import (INPUT_REJECTS, ShardPaths, ShardWriter, assemble, file_entry, group_videos, read_stats, shard_name,
-                         write_stats)
+                         shard_samples, write_stats)
 from prep.windows import LAST_WINDOW, MIN_LAST_S, Window, make_windows
 from prep.workers import Pool, Retry, distribute, heartbeat
 from schemas.annotations import FORMATS, Annotation, reject
@@ -118,7 +118,7 @@ class BuildConfig:
     query_template: str | None = None  # None: "{query}" (qvhighlights: QVH_QUERY_TEMPLATE)
     jpeg_quality: int = 95
     decoder: str = DEFAULT_BACKEND  # prep/decoders.py: decord | torchcodec | pyav
-    samples_per_shard: int = 256
+    samples_per_shard: int | None = None  # None: prep.shards.shard_samples picks it from the build's windows
     shard_size_mb: float | None = 1024.0
     workers: int | None = None  # None: all cores available to this process (--ray: shard tasks in flight, None: no cap)
     decode_timeout: float = DECODE_TIMEOUT_S  # seconds a decode may go without progress; 0: no watchdog
@@ -170,7 +170,7 @@ class BuildConfig:
             p.append(f"--decoder must be one of {BACKENDS}, got {self.decoder!r}")
         elif why := decoder_available(self.decoder):
             p.append(why)
-        if self.samples_per_shard < 1:
+        if self.samples_per_shard is not None and self.samples_per_shard < 1:
             p.append("--samples-per-shard must be >= 1")
         if self.workers is not None and self.workers < 1:
             p.append("--workers must be >= 1")
@@ -785,10 +785,11 @@ def _build_locked(config: BuildConfig, pool: Pool) -> dict:
     units: dict[str, list[VideoJob]] = {}
     for j in jobs:
         units.setdefault(j.source_path, []).append(j)
-    units = split_long_videos(units, config.samples_per_shard)
+    samples_per_shard = shard_samples(sum(len(j.windows) for j in jobs), config.samples_per_shard)
+    units = split_long_videos(units, samples_per_shard)
     shard_bytes = int(config.shard_size_mb * 2**20) if config.shard_size_mb else None
     unit_groups = group_videos([(key, sum(len(j.windows) for j in js), sum(_estimate_bytes(j, budget) for j in js))
-                                for key, js in units.items()], config.samples_per_shard, shard_bytes)
+                                for key, js in units.items()], samples_per_shard, shard_bytes)
     groups = [[j.label for key in g for j in units[key]] for g in unit_groups]
     with io_stage("plan", out / PLAN_FILE):
         _check_plan(out, config, groups)
@@ -848,6 +849,7 @@ def _build_locked(config: BuildConfig, pool: Pool) -> dict:
         videos=len(set(samples.column("video_id").to_pylist())),
         annotations_matched=len(anns),
         shards=len(tasks),
+        samples_per_shard=samples_per_shard,
         shards_built=len(pending),
         shards_skipped=len(tasks) - len(pending),
         frames=sum(samples.column("num_frames").to_pylist()),
@@ -1080,7 +1082,10 @@ def parser() -> argparse.ArgumentParser:
            "(fallback); same frame indices and timestamps, pixels within 1 level (README); the probe uses decord. "
            f"decord decodes only {', '.join(DECORD_EXACT_CODECS)}: it returns neighbouring frames on HEVC and "
            f"MPEG-4 with B-frames, so other codecs are decoded by {EXACT_FALLBACK} (build.json decode.backends)")
-    a("--samples-per-shard", type=int, default=256, help="target samples per shard (whole videos; a shard may hold fewer)")
+    a("--samples-per-shard", type=int, default=None,
+      help="most samples per shard (whole videos, a longer one cut into pieces; a shard may hold fewer). Shards are "
+           "the units of work, so the default is 256 only for builds of 32,768 windows or more and fewer below "
+           "(windows / 128, at least 4: ~128 shards to spread over the cores); build.json records what was used")
     a("--shard-size-mb", type=float, default=1024.0, help="soft cap on estimated shard size in MiB (0: none)")
     a("--workers", type=int, default=None,
       help="processes that build shards (default: all cores); each keeps cores // workers cores busy by building "

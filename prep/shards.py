@@ -159,6 +159,24 @@ def read_stats(paths: ShardPaths) -> dict:
     return json.loads(paths.stats.read_text())
 
 
+SHARD_SAMPLES = 256  # the most samples a shard holds by default (~0.5 GB of 640x352 q95 frames at 32 a sample)
+SHARDS_AT_LEAST = 128  # what the default aims for: shards are the build's units of work (see shard_samples)
+SHARD_SAMPLES_AT_LEAST = 4  # ... but no fewer samples than this in a shard by default (see shard_samples)
+
+
+def shard_samples(windows: int, asked: int | None) -> int:
+    """Samples per shard: --samples-per-shard when given; by default SHARD_SAMPLES, or fewer for a build of fewer
+    than SHARDS_AT_LEAST x SHARD_SAMPLES windows, so that it still has ~SHARDS_AT_LEAST shards to spread over the
+    cores: with 256 a 32-clip build (64 windows) was one shard on one worker, 12.7 s against 8.3 s as 32 shards on
+    2 cores (BENCHMARKS.md, Prep, session 17). At least SHARD_SAMPLES_AT_LEAST: a long video is cut into pieces
+    of at most this many windows (prep.build.split_long_videos), each piece decoding from the keyframe before it,
+    an extra GOP that would outweigh a 1-window piece. The windows of the build decide it, never this machine's
+    cores, so a rerun, a --part and a Ray build plan the same shards."""
+    if asked is not None:
+        return asked
+    return max(SHARD_SAMPLES_AT_LEAST, min(SHARD_SAMPLES, -(-windows // SHARDS_AT_LEAST)))
+
+
 def group_videos(weights: list[tuple[str, int, int]], samples_per_shard: int, shard_bytes: int | None) -> list[list[str]]:
     """Greedy, deterministic grouping of whole videos into shards.
 

@@ -113,6 +113,7 @@ class BuildSummary:
     videos: int  # distinct video ids with at least one sample
     annotations_matched: int  # annotation rows that matched a video file
     shards: int  # tars in the build
+    samples_per_shard: int | None = None  # the most a shard holds: --samples-per-shard or the default it got
     shards_built: int  # tars built by this run
     shards_skipped: int  # tars already complete (resume)
     frames: int  # stored frames

@@ -321,6 +321,20 @@ def test_group_videos_keeps_videos_whole_and_respects_caps():
     assert group_videos([("big", 50, 1)], 6, None) == [["big"]]
 
 
+def test_the_default_shard_size_spreads_a_small_build_over_shards(synth_videos_dir, built_shards, tmp_path):
+    from prep.shards import SHARD_SAMPLES, shard_samples
+
+    assert shard_samples(10**6, None) == SHARD_SAMPLES and shard_samples(10**6, 7) == 7 and shard_samples(12, 300) == 300
+    assert (shard_samples(1000, None), shard_samples(64, None), shard_samples(12, None)) == (8, 4, 4)
+    out = tmp_path / "out"
+    summary = build(BuildConfig(videos=synth_videos_dir, out=out, **{**BUILT_SHARDS_ARGS, "samples_per_shard": None}))
+    # 12 windows, 3 a video: at most 4 a shard, so a shard per video (with 256 it was one shard, on one worker)
+    assert (summary["shards"], summary["samples_per_shard"], summary["samples"]) == (4, 4, 12)
+    assert BuildRecord.read(out).summary.samples_per_shard == 4 and BuildRecord.read(out).config["samples_per_shard"] is None
+    same = [(r.sample_id, r.frame_indices, r.answer) for r in read_records(built_shards / "manifest.parquet", SampleRecord)]
+    assert [(r.sample_id, r.frame_indices, r.answer) for r in read_records(out / "manifest.parquet", SampleRecord)] == same
+
+
 # ------------------------------------------------------------------------------------- manifest and tar
 
 
@@ -383,7 +397,7 @@ def test_build_json_records_what_was_used(built_shards):
     assert meta.budget["video_max_tokens"] == 64 and meta.budget["video_min_tokens"] == 16
     assert meta.tokenizer.special_token_ids["<|video_pad|>"] == special_id(load_tokenizer(), "<|video_pad|>")
     assert len(meta.tokenizer.tokenizer_json_sha256) == 64
-    assert meta.summary.samples == 12 and meta.summary.shards == 2
+    assert meta.summary.samples == 12 and meta.summary.shards == 2 and meta.summary.samples_per_shard == 6
     assert meta.prompt == PromptInfo(layout=DEFAULT_LAYOUT, transformers=transformers.__version__)
     assert meta.model_family == "qwen3_vl" and meta.versions["transformers"] == transformers.__version__
     for entry in meta.shard_files:
