@@ -765,11 +765,13 @@ def _build_locked(config: BuildConfig, pool: Pool) -> dict:
                                                allow_outside=config.allow_outside_videos)
     # probes and shards run in worker processes (prep/workers.py), forked before any decoder runs here
     t0 = time.perf_counter()
+    setup_s = t0 - t_start
     paths = sorted({a.source_path for a in anns})
     videos_dir = config.videos.absolute()  # the same path on every node of a cluster (a shared filesystem)
     with io_stage("probe", config.videos):
         probes = dict(zip(paths, _probe_all([str(videos_dir / p) for p in paths], config, pool)))
-    probe_s = time.perf_counter() - t0
+    t_plan = time.perf_counter()
+    probe_s = t_plan - t0
 
     jobs: list[VideoJob] = []
     for ann in anns:
@@ -825,6 +827,7 @@ def _build_locked(config: BuildConfig, pool: Pool) -> dict:
     mine, pending = [tasks[i] for i in mine], [tasks[i] for i in todo]
     pending.sort(key=_decode_weight, reverse=True)  # largest first: the last shards to start are the short ones
     t0 = time.perf_counter()
+    plan_s = t0 - t_plan
     with io_stage("shards", out):  # the workers name their own stage and file (write shard, sidecars, stats)
         _run_shards(pending, config, pool, split.streams)
     shards_s = time.perf_counter() - t0
@@ -859,8 +862,8 @@ def _build_locked(config: BuildConfig, pool: Pool) -> dict:
         negatives_dropped=sum(j.negatives_dropped for j in jobs),
         rejects=rejects.num_rows,
         rejects_by_reason=dict(sorted(Counter(rejects.column("reason").to_pylist()).items())),
-        timings_s=Timings(probe=round(probe_s, 3), shards=round(shards_s, 3), assemble=round(assemble_s, 3),
-                          total=round(total_s, 3)),
+        timings_s=Timings(setup=round(setup_s, 3), probe=round(probe_s, 3), plan=round(plan_s, 3),
+                          shards=round(shards_s, 3), assemble=round(assemble_s, 3), total=round(total_s, 3)),
         throughput=Throughput(videos_per_s=_rate(sum(s["videos"] for s in done_stats), shards_s),
                               windows_per_s=_rate(sum(s["samples"] for s in done_stats), shards_s),
                               realtime_factor=_rate(source_s, shards_s)),

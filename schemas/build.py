@@ -95,6 +95,8 @@ class Timings:
     shards: float  # seconds building shards
     assemble: float  # seconds assembling manifest.parquet and rejects.parquet
     total: float  # wall seconds of the whole build
+    setup: float | None = None  # seconds before the probes: out dir, tokenizer, first calls, annotations (None: older build)
+    plan: float | None = None  # seconds between the probes and the shards: windows, shard plan, input rejects
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -398,6 +398,9 @@ def test_build_json_records_what_was_used(built_shards):
     assert meta.tokenizer.special_token_ids["<|video_pad|>"] == special_id(load_tokenizer(), "<|video_pad|>")
     assert len(meta.tokenizer.tokenizer_json_sha256) == 64
     assert meta.summary.samples == 12 and meta.summary.shards == 2 and meta.summary.samples_per_shard == 6
+    t = meta.summary.timings_s  # the stages in order, each timed apart, within the whole
+    stages = (t.setup, t.probe, t.plan, t.shards, t.assemble)
+    assert all(x >= 0 for x in stages) and t.shards > 0 and sum(stages) <= t.total + 0.005
     assert meta.prompt == PromptInfo(layout=DEFAULT_LAYOUT, transformers=transformers.__version__)
     assert meta.model_family == "qwen3_vl" and meta.versions["transformers"] == transformers.__version__
     for entry in meta.shard_files:
