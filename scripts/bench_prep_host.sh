@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Issue 10's many-core measurements in one device call (CPU only, ~5 min on the H200 host's 16 cores). From the
+# repository root, after unpacking scripts/device_bundle.sh's bundle (decord, av, torchcodec, qwen-vl-utils):
+#
+#   OUT=$OUT bash scripts/bench_prep_host.sh
+#
+# 1. scripts/bench_prep over the issue's 32 clips at 1, 4 and 16 workers, once per decoder (build, fetch and
+#    floor legs; a shard per clip, as in every table of BENCHMARKS.md since session 4);
+# 2. whole builds with the default --samples-per-shard (prep.shards.shard_samples) against the old default (256)
+#    and a shard per clip, alternated, at the default --workers (all cores), with build.json's stage timings.
+# Ray is not in the bundle (its wheel alone is over the 64 MiB carry), so the Ray leg is the 2-core box's.
+# What comes back: env.txt, bench_<decoder>.txt (table + JSON), bench_<decoder>.log (every run), shards.txt.
+set -u
+OUT=${OUT:-/tmp/bench_prep_host}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false
+{
+  date; nproc; uptime
+  python -c "import torch, decord, av, torchcodec; print('torch', torch.__version__, 'decord', decord.__version__, 'av', av.__version__, 'torchcodec', torchcodec.__version__)"
+} > "$OUT/env.txt" 2>&1
+for decoder in torchcodec decord; do
+  python -m scripts.bench_prep --synth 32 --workers 1 4 16 --repeats 2 --warm-up once --no-markdown \
+    --decoder "$decoder" > "$OUT/bench_$decoder.txt" 2> "$OUT/bench_$decoder.log"
+done
+python - > "$OUT/shards.txt" 2>&1 <<'PY'
+import json, resource, statistics, tempfile, time
+from pathlib import Path
+
+from prep.build import BuildConfig, build
+from scripts.bench_prep import issue_videos, write_annotations
+
+videos = issue_videos(Path(tempfile.gettempdir()) / "video-ora-bench-videos", 32)
+annotations = Path(tempfile.mkdtemp()) / "annotations.jsonl"
+write_annotations(videos, annotations)
+
+
+def cpu_s():
+    return sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+               for f in ("ru_utime", "ru_stime"))
+
+
+def one(samples_per_shard):
+    t, c = time.perf_counter(), cpu_s()
+    s = build(BuildConfig(videos=videos, out=Path(tempfile.gettempdir()) / f"shards-{samples_per_shard}",
+                          annotations=annotations, samples_per_shard=samples_per_shard, progress=False, overwrite=True))
+    return {"wall_s": round(time.perf_counter() - t, 3), "cpu_s": round(cpu_s() - c, 3), "shards": s["shards"],
+            "samples_per_shard": s["samples_per_shard"], **{f"{k}_s": v for k, v in s["timings_s"].items()}}
+
+
+one(None)  # untimed
+runs = {}
+for rep in range(3):
+    for sps in ((None, 256, 2) if rep % 2 == 0 else (2, 256, None)):
+        row = one(sps)
+        runs.setdefault(str(sps), []).append(row)
+        print(json.dumps({"asked": sps, **row}), flush=True)
+for sps, rows in runs.items():
+    print(f"--samples-per-shard {sps}: {rows[0]['shards']} shards, median wall "
+          f"{statistics.median(r['wall_s'] for r in rows):.2f} s, CPU {statistics.median(r['cpu_s'] for r in rows):.2f} s")
+PY
