@@ -32,7 +32,7 @@ from pathlib import Path
 from prep import answers as answers_mod
 from prep.annotations import check_segments, load_annotations
 from prep.budget import FPS_MAX_FRAMES, FPS_MIN_FRAMES, PATCH_SIZE, FramePlan, VideoBudget, group_times, plan_frames
-from prep.decode import RESIZE, DecodeError, decode_windows, encode_windows, read_ahead
+from prep.decode import RESIZE, DecodeError, decode_windows, encode_windows, keep_freed_buffers, read_ahead
 from prep.decoders import BACKENDS, DECORD_EXACT_CODECS, DEFAULT_BACKEND, EXACT_FALLBACK, backend_for
 from prep.decoders import available as decoder_available
 from prep.outdir import (PLAN_FILE, BuildIOError, BuildLock, BuildLocked, io_stage, our_files, part_lock_name, sweep_temps,
@@ -400,6 +400,7 @@ def process_shard(task: ShardTask) -> dict:
     A file in task.timed_out (its decode hung in an earlier attempt) is not opened: its windows are rejects."""
     paths = task.paths
     _one_torch_thread()
+    keep_freed_buffers()
     with io_stage("write shard", paths.tar):
         paths.clear()
         writer = ShardWriter(paths)

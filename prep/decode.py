@@ -44,7 +44,26 @@ from prep.decoders import DEFAULT_BACKEND, DecodeError, open_reader
 
 RESIZE = ("torch uint8 bicubic, antialias=True, to the planned size (within 1 level of PIL bicubic; within 3 "
           "levels of qwen-vl-utils' torchvision bicubic antialias, as PIL)")
-__all__ = ["DecodeError", "RESIZE", "decode_windows", "encode_frame", "encode_windows", "read_ahead", "resize_frame"]
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+__all__ = ["DecodeError", "RESIZE", "decode_windows", "encode_frame", "encode_windows", "keep_freed_buffers", "read_ahead",
+           "resize_frame"]
+
+
+def keep_freed_buffers() -> None:
+    """Keep the memory of freed frame buffers in this process for the next window. glibc hands a freed large buffer
+    back to the kernel (munmap, heap trim), so every window's frames faulted their pages in again, zeroed: ~130,000
+    page faults and 5-8% of a shard's CPU on the 2-core box, with decord and torchcodec alike (BENCHMARKS.md, Prep,
+    session 17). After this, buffers up to 32 MiB (glibc's largest mmap threshold) come from the heap and up to
+    512 MiB of free heap is kept; the peak memory is the same. For worker processes (glibc's settings are
+    process-wide); a no-op where libc has no mallopt."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+        libc.mallopt(_M_TRIM_THRESHOLD, 512 << 20)
+    except (OSError, AttributeError):
+        pass
 
 
 def resize_frame(frame: np.ndarray, height: int, width: int) -> np.ndarray:

@@ -312,3 +312,24 @@ def test_read_ahead_keeps_order_raises_after_the_items_before_and_closes_its_sou
     assert next(ahead)[0] == 0
     ahead.close()  # the caller leaves early: the producer stops and the source's finally runs
     assert closed == [True]
+
+
+def test_a_worker_keeps_freed_frame_buffers_instead_of_faulting_them_in_again():
+    # in a fresh process: a 24 MiB frame buffer, freed; its memory leaves the process unless keep_freed_buffers()
+    # ran (glibc then serves it from the heap and keeps the free heap), so the next window's buffer is not faulted in
+    code = """if 1:
+        import sys, numpy as np
+        from prep.decode import keep_freed_buffers
+        if sys.argv[1] == "keep":
+            keep_freed_buffers()
+        rss = lambda: int(next(l for l in open("/proc/self/status") if l.startswith("RssAnon:")).split()[1])
+        before = rss()
+        frames = np.ones((36, 360, 640, 3), np.uint8)  # 24 MiB, every page written
+        del frames
+        print(rss() - before)"""
+    import subprocess
+    import sys
+
+    kept = {mode: int(subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, check=True)
+                      .stdout) for mode in ("keep", "default")}
+    assert kept["keep"] > 20 * 1024 and kept["default"] < 4 * 1024, kept  # KiB still held after the free
