@@ -6,14 +6,17 @@ Run: python -m scripts.bench_prep [--videos DIR | --synth 32] [--workers 1 2] [-
 The same videos and the same windows go through three legs (four with --ray), interleaved (the leg order
 rotates every repeat, after one untimed warm-up round), and the medians are compared:
   build  prep.build.build(): probe, plan, decode each video once, resize, JPEG, tar, parquet, build.json
-  ray    the same build with --ray on a local Ray cluster of max(--workers) CPUs on 127.0.0.1, started once in a
-         helper process (its start-up is not timed); at --workers N it keeps as many shard tasks (one CPU
+  ray    the same build with --ray on a local Ray cluster of max(--workers) CPUs on 127.0.0.1, started once in
+         its helper; at --workers N it keeps as many shard tasks (one CPU
          each) in flight as N local workers build at once (N x prep.build.worker_threads' streams: 2 at N=1
          on 2 cores); its CPU seconds are those of the helper's whole process tree (driver, raylet, GCS, Ray
          workers and their children)
   fetch  today's approach: qwen_vl_utils.fetch_video per window (decord backend, video_start/video_end,
          image_patch_size=16, the same budget), which includes its torchvision bicubic resize
   floor  plain decord: get_batch over the union of the frame indices each video needs, no resize
+Each leg runs in a spawned helper process of its own for the whole bench (LegHelper; its start-up is not timed),
+so every leg starts from the state a `prep build` process starts in, and its CPU seconds are those of the
+helper's whole process tree (the processes it forks included).
 With --workers N each leg uses N processes (N=1: inline); fetch gets cores // N torch threads per process,
 floor the build's decode parallelism (prep.build.worker_threads: each of the N workers decodes up to 3/4 of
 cores // N videos at once, one decoder thread each, fewer videos getting more threads; the floor runs that many
@@ -147,42 +150,57 @@ def _tree_cpu_s(root: int) -> float:
     return sum(times.get(p, 0.0) for p in tree)
 
 
-def _ray_server(conn, cpus: int) -> None:
-    """Helper process of the ray leg: one local cluster for the whole bench, a build per request."""
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    import ray
+def _build_frames(*args) -> int:
+    return leg_build(*args)["frames"]
 
-    ray.init(num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1", object_store_memory=100 * 2**20,
-             log_to_driver=False)
+
+LEGS = {"build": _build_frames, "ray": _build_frames, "fetch": lambda *a: leg_fetch(*a), "floor": lambda *a: leg_floor(*a)}
+
+
+def _leg_server(conn, ray_cpus: int | None) -> None:
+    """A helper process that runs one leg for the whole bench, a run per request, and reports the CPU seconds of
+    its whole process tree (for the ray leg: its Ray cluster's raylet, GCS, workers and their children too).
+    Every leg runs in a helper of its own, spawned, so each starts where a `prep build` process starts: a leg
+    that forked its workers from the bench's own process paid for the other legs' heap, imports and torch
+    threads (on 2 cores the build leg ran ~4% slower there than the same build in a fresh process; session 17)."""
+    ray = None
+    if ray_cpus:
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        import ray
+
+        ray.init(num_cpus=ray_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 object_store_memory=100 * 2**20, log_to_driver=False)
     conn.send("ready")
     try:
         while (job := conn.recv()) is not None:
+            leg, args = job
             c0 = _tree_cpu_s(os.getpid())
-            summary = leg_build(*job)
-            conn.send((summary["frames"], _tree_cpu_s(os.getpid()) - c0))
+            got = LEGS[leg](*args)
+            conn.send((got, _tree_cpu_s(os.getpid()) - c0))
     finally:
-        ray.shutdown()
+        if ray is not None:
+            ray.shutdown()
 
 
-class RayLeg:
-    """The ray leg's helper process (spawned: the bench's own forks never share a process with Ray)."""
+class LegHelper:
+    """A leg's helper process (_leg_server); calling it runs the leg there: helper(*args) -> (result, CPU s)."""
 
-    def __init__(self, cpus: int, timeout_s: float = 600):
+    def __init__(self, leg: str, ray_cpus: int | None = None, timeout_s: float = 600):
         ctx = multiprocessing.get_context("spawn")
+        self.leg, self.timeout_s = leg, timeout_s
         self.conn, child = ctx.Pipe()
-        self.timeout_s = timeout_s
-        self.process = ctx.Process(target=_ray_server, args=(child, cpus))  # not a daemon: its builds fork
+        self.process = ctx.Process(target=_leg_server, args=(child, ray_cpus))  # not a daemon: its legs fork
         self.process.start()
         self._recv()
 
+    def __call__(self, *args) -> tuple[int, float]:
+        self.conn.send((self.leg, args))
+        return self._recv()
+
     def _recv(self):
         if not self.conn.poll(self.timeout_s):
-            raise TimeoutError(f"the Ray helper gave no answer in {self.timeout_s:g} s")
+            raise TimeoutError(f"the {self.leg} leg's helper gave no answer in {self.timeout_s:g} s")
         return self.conn.recv()
-
-    def __call__(self, *job) -> tuple[int, float]:
-        self.conn.send(job)
-        return self._recv()
 
     def close(self) -> None:
         try:
@@ -285,32 +303,32 @@ def bench(videos: Path, workers: list[int], repeats: int, work: Path, *, use_ray
         per_video.setdefault(str(videos / r.source_path), set()).update(r.frame_indices)
     union = {p: sorted(s) for p, s in per_video.items()}
     frames = sum(r.num_frames for r in records)
+    helpers = {leg: LegHelper(leg) for leg in ("build", "fetch", "floor")}
     legs = {
-        "build": lambda w: leg_build(videos, annotations, out, w, samples_per_shard, decoder)["frames"],
-        "fetch": lambda w: leg_fetch(windows, budget, w),
-        "floor": lambda w: leg_floor(union, w),
+        "build": lambda w: helpers["build"](videos, annotations, out, w, samples_per_shard, decoder),
+        "fetch": lambda w: helpers["fetch"](windows, budget, w),
+        "floor": lambda w: helpers["floor"](union, w),
     }
     expect = {"build": frames, "fetch": frames, "floor": sum(len(v) for v in union.values())}
-    ray_leg = None
-    if use_ray:
-        from prep.build import worker_threads
-
-        # a local worker builds several shards at once (threads); a Ray task builds one on one CPU. So the ray leg
-        # at W workers keeps as many shard tasks in flight as W local workers build at once (--workers caps them)
-        tasks = leg_build(videos, annotations, work / "ray_shards", max(workers), samples_per_shard, decoder)["shards"]
-        in_flight = {w: w * worker_threads(w, tasks).streams for w in workers}
-        ray_leg = RayLeg(max(workers))
-        legs["ray"] = lambda w: ray_leg(videos, annotations, work / "ray_shards", in_flight[w], samples_per_shard,
-                                        decoder, "")
-        expect["ray"] = frames
-    runs: dict[str, dict[int, list[float]]] = {leg: {w: [] for w in workers} for leg in legs}
-    cpu: dict[str, dict[int, list[float]]] = {leg: {w: [] for w in workers} for leg in legs}
-    order = list(legs)
     try:
-        _rounds(legs, order, expect, workers, repeats, runs, cpu, warm_up)
+        if use_ray:
+            from prep.build import worker_threads
+
+            # a local worker builds several shards at once (threads); a Ray task builds one on one CPU. So the ray
+            # leg at W workers keeps as many shard tasks in flight as W local workers build at once (--workers caps
+            # them)
+            tasks = leg_build(videos, annotations, work / "ray_shards", max(workers), samples_per_shard, decoder)["shards"]
+            in_flight = {w: w * worker_threads(w, tasks).streams for w in workers}
+            helpers["ray"] = LegHelper("ray", ray_cpus=max(workers))
+            legs["ray"] = lambda w: helpers["ray"](videos, annotations, work / "ray_shards", in_flight[w],
+                                                   samples_per_shard, decoder, "")
+            expect["ray"] = frames
+        runs: dict[str, dict[int, list[float]]] = {leg: {w: [] for w in workers} for leg in legs}
+        cpu: dict[str, dict[int, list[float]]] = {leg: {w: [] for w in workers} for leg in legs}
+        _rounds(legs, list(legs), expect, workers, repeats, runs, cpu, warm_up)
     finally:
-        if ray_leg is not None:
-            ray_leg.close()
+        for helper in helpers.values():
+            helper.close()
     return _results(out, runs, cpu, legs, workers, union, records, frames, expect, n_videos, budget, repeats,
                     summary, samples_per_shard, decoder)
 
@@ -325,7 +343,7 @@ def _rounds(legs, order, expect, workers, repeats, runs, cpu, warm_up: str = "ea
                 t0, c0 = time.perf_counter(), _cpu_s()
                 got = legs[leg](w)
                 dt, dc = time.perf_counter() - t0, _cpu_s() - c0
-                if isinstance(got, tuple):  # the ray leg measures its own process tree
+                if isinstance(got, tuple):  # a leg run in a helper (LegHelper) measures its own process tree
                     got, dc = got
                 if got != expect[leg]:
                     raise RuntimeError(f"{leg} with {w} workers produced {got} frames, expected {expect[leg]}")
