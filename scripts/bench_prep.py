@@ -160,9 +160,8 @@ LEGS = {"build": _build_frames, "ray": _build_frames, "fetch": lambda *a: leg_fe
 def _leg_server(conn, ray_cpus: int | None) -> None:
     """A helper process that runs one leg for the whole bench, a run per request, and reports the CPU seconds of
     its whole process tree (for the ray leg: its Ray cluster's raylet, GCS, workers and their children too).
-    Every leg runs in a helper of its own, spawned, so each starts where a `prep build` process starts: a leg
-    that forked its workers from the bench's own process paid for the other legs' heap, imports and torch
-    threads (on 2 cores the build leg ran ~4% slower there than the same build in a fresh process; session 17)."""
+    Every leg runs in a helper of its own, spawned, so each starts where a `prep build` process starts, never
+    forking its workers from a process that ran the other legs (their heap, imports, torch threads)."""
     ray = None
     if ray_cpus:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
