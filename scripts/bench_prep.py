@@ -17,7 +17,7 @@ rotates every repeat, after one untimed warm-up round), and the medians are comp
 Each leg runs in a spawned helper process of its own for the whole bench (LegHelper; its start-up is not timed),
 so every leg starts from the state a `prep build` process starts in, and its CPU seconds are those of the
 helper's whole process tree (the processes it forks included).
-With --workers N each leg uses N processes (N=1: inline); fetch gets cores // N torch threads per process,
+With --workers N each leg uses N processes (forked, also at N=1); fetch gets cores // N torch threads per process,
 floor the build's decode parallelism (prep.build.worker_threads: each of the N workers decodes up to 3/4 of
 cores // N videos at once, one decoder thread each, fewer videos getting more threads; the floor runs that many
 processes; the build runs its resize + JPEG threads on the other quarter). Default videos: synthetic 640x360 60 s clips
@@ -150,13 +150,6 @@ def _tree_cpu_s(root: int) -> float:
     return sum(times.get(p, 0.0) for p in tree)
 
 
-def _build_frames(*args) -> int:
-    return leg_build(*args)["frames"]
-
-
-LEGS = {"build": _build_frames, "ray": _build_frames, "fetch": lambda *a: leg_fetch(*a), "floor": lambda *a: leg_floor(*a)}
-
-
 def _leg_server(conn, ray_cpus: int | None) -> None:
     """A helper process that runs one leg for the whole bench, a run per request, and reports the CPU seconds of
     its whole process tree (for the ray leg: its Ray cluster's raylet, GCS, workers and their children too).
@@ -271,6 +264,13 @@ def leg_floor(per_video: dict[str, list[int]], workers: int) -> int:
     split = worker_threads(workers, len(per_video))
     jobs = [(path, idx, split.decode) for path, idx in per_video.items()]
     return sum(_pool_map(_floor_one, jobs, workers * split.streams, _set_threads, (split.decode,)))
+
+
+def _build_frames(*args) -> int:
+    return leg_build(*args)["frames"]
+
+
+LEGS = {"build": _build_frames, "ray": _build_frames, "fetch": leg_fetch, "floor": leg_floor}  # what a LegHelper runs
 
 
 # ----------------------------------------------------------------------------------------------- driver
