@@ -38,7 +38,6 @@ import json
 import multiprocessing
 import os
 import platform
-import resource
 import shlex
 import shutil
 import statistics
@@ -276,12 +275,6 @@ LEGS = {"build": _build_frames, "ray": _build_frames, "fetch": leg_fetch, "floor
 # ----------------------------------------------------------------------------------------------- driver
 
 
-def _cpu_s() -> float:
-    """User + system CPU seconds of this process and its reaped children (the pools are joined per run)."""
-    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
-
-
 def bench(videos: Path, workers: list[int], repeats: int, work: Path, *, use_ray: bool = False, decoder: str = "decord",
           samples_per_shard: int | None = None, warm_up: str = "each") -> dict:
     from schemas.build import BuildRecord
@@ -339,11 +332,9 @@ def _rounds(legs, order, expect, workers, repeats, runs, cpu, warm_up: str = "ea
         counts = workers if rep or warm_up == "each" else [max(workers)] if warm_up == "once" else []
         for w in counts:
             for leg in order[rep % len(order):] + order[:rep % len(order)]:
-                t0, c0 = time.perf_counter(), _cpu_s()
-                got = legs[leg](w)
-                dt, dc = time.perf_counter() - t0, _cpu_s() - c0
-                if isinstance(got, tuple):  # a leg run in a helper (LegHelper) measures its own process tree
-                    got, dc = got
+                t0 = time.perf_counter()
+                got, dc = legs[leg](w)  # a LegHelper: the frames and the CPU s of its own process tree
+                dt = time.perf_counter() - t0
                 if got != expect[leg]:
                     raise RuntimeError(f"{leg} with {w} workers produced {got} frames, expected {expect[leg]}")
                 if rep:

@@ -32,7 +32,7 @@ def test_bench_annotates_every_video(tmp_path):
 
 def test_bench_warm_up_choice_and_every_ratio_at_every_worker_count():
     calls = []
-    legs = {leg: (lambda w, leg=leg: calls.append((leg, w)) or 10) for leg in ("build", "fetch", "floor")}
+    legs = {leg: (lambda w, leg=leg: calls.append((leg, w)) or (10, 1.0)) for leg in ("build", "fetch", "floor")}
     for warm_up, untimed in (("each", 6), ("once", 3), ("none", 0)):
         calls.clear()
         runs = {leg: {1: [], 4: []} for leg in legs}
