@@ -9,7 +9,10 @@
 # 2. whole builds with the default --samples-per-shard (prep.shards.shard_samples) against the old default (256)
 #    and a shard per clip, alternated, at the default --workers (all cores), with build.json's stage timings.
 # Ray is not in the bundle (its wheel alone is over the 64 MiB carry), so the Ray leg is the 2-core box's.
-# What comes back: env.txt, bench_<decoder>.txt (table + JSON), bench_<decoder>.log (every run), shards.txt.
+# 3. the busy cores over time (scripts/cpu_timeline) during default `prep build` runs with torchcodec, so the idle
+#    cores (fork ramp, probe stage, tail) show where the build's wall goes over its CPU / 16.
+# What comes back: env.txt, bench_<decoder>.txt (table + JSON), bench_<decoder>.log (every run), shards.txt,
+# timeline.txt.
 set -u
 OUT=${OUT:-/tmp/bench_prep_host}
 mkdir -p "$OUT"
@@ -58,3 +61,18 @@ for sps, rows in runs.items():
     print(f"--samples-per-shard {sps}: {rows[0]['shards']} shards, median wall "
           f"{statistics.median(r['wall_s'] for r in rows):.2f} s, CPU {statistics.median(r['cpu_s'] for r in rows):.2f} s")
 PY
+VIDEOS=/tmp/video-ora-bench-videos/issue-32
+python - <<'PY'
+from pathlib import Path
+from scripts.bench_prep import write_annotations
+write_annotations(Path("/tmp/video-ora-bench-videos/issue-32"), Path("/tmp/timeline-annotations.jsonl"))
+PY
+for rep in 1 2 3; do
+  python -m scripts.cpu_timeline --every 0.02 -- python -m prep build --videos "$VIDEOS" \
+    --annotations /tmp/timeline-annotations.jsonl --out /tmp/timeline-shards --decoder torchcodec --overwrite \
+    --no-progress > /tmp/timeline-$rep.txt 2>&1
+  python -c "import json; print(json.dumps({'rep': $rep, **{k: json.load(open('/tmp/timeline-shards/build.json'))['summary'][k] for k in ('timings_s', 'shards', 'samples_per_shard')}}))" \
+    >> "$OUT/timeline.txt" 2>&1 || true
+  tail -1 /tmp/timeline-$rep.txt >> "$OUT/timeline.txt"
+done
+grep t_s /tmp/timeline-3.txt >> "$OUT/timeline.txt"

@@ -80,3 +80,17 @@ def test_bench_prep_names_missing_packages_before_it_starts_a_pool():
     assert missing_packages(argparse.Namespace(decoder="decord", ray=False)) == []  # the test environment has them
     got = missing_packages(argparse.Namespace(decoder="no_such_decoder_pkg", ray=False))
     assert got == ["no_such_decoder_pkg for --decoder no_such_decoder_pkg"]
+
+
+def test_cpu_timeline_counts_the_cores_a_command_keeps_busy(capsys):
+    import json
+    import sys
+
+    from scripts.cpu_timeline import main
+
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\nraise SystemExit(3)"
+    assert main(["--every", "0.02", "--", sys.executable, "-c", spin]) == 3  # the command's own exit status
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    summary = lines[-1]["summary"]
+    assert summary["rc"] == 3 and summary["machine_cpu_s"] >= 0.4  # whole machine: at least the spin's CPU
+    assert len(lines) > 10 and max(s["busy_cores"] for s in lines[:-1]) >= 0.5

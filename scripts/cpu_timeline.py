@@ -1,0 +1,58 @@
+"""How many cores a command keeps busy, over time: /proc/stat sampled every --every seconds while the command runs.
+
+    python -m scripts.cpu_timeline [--every 0.05] -- python -m prep build --videos V --out O ...
+
+Prints one JSON line per sample ({"t_s", "busy_cores"}) and a summary line: the run's wall, CPU seconds of the whole
+machine, mean busy cores, and the seconds with fewer than half the cores busy - where a build leaves cores idle
+(the fork ramp, the probe stage, the tail of the last shards). Whole-machine counters: run it on an idle machine."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+
+def _busy_idle() -> tuple[int, int]:
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    idle = ticks[3] + ticks[4]  # idle + iowait
+    return sum(ticks[:8]) - idle, idle  # user..steal; guest time is already inside user
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--every", type=float, default=0.05, help="seconds between samples (default 0.05)")
+    ap.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
+    args = ap.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        ap.error("no command given")
+    tick = os.sysconf("SC_CLK_TCK")
+    cores = os.cpu_count() or 1
+    samples = []
+    t0 = time.perf_counter()
+    last_t, (last_busy, last_idle) = t0, _busy_idle()
+    first_busy = last_busy
+    proc = subprocess.Popen(command)
+    while proc.poll() is None:
+        time.sleep(args.every)
+        now, (busy, idle) = time.perf_counter(), _busy_idle()
+        d = (busy - last_busy) + (idle - last_idle)
+        samples.append((now - t0, cores * (busy - last_busy) / d if d else 0.0, now - last_t))
+        last_t, last_busy, last_idle = now, busy, idle
+    wall = time.perf_counter() - t0
+    for t, b, _ in samples:
+        print(json.dumps({"t_s": round(t, 3), "busy_cores": round(b, 2)}))
+    low = sum(dt for _, b, dt in samples if b < cores / 2)
+    print(json.dumps({"summary": {"rc": proc.returncode, "wall_s": round(wall, 3), "cores": cores,
+                                  "machine_cpu_s": round((last_busy - first_busy) / tick, 2),
+                                  "mean_busy_cores": round((last_busy - first_busy) / tick / wall, 2),
+                                  "s_under_half_the_cores": round(low, 3)}}))
+    return proc.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
