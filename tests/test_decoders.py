@@ -271,6 +271,29 @@ def test_pyav_seeks_to_far_frames_and_gives_the_frames_of_decoding_from_the_star
     reader.close()
 
 
+@pytest.mark.parametrize("clip", ["x264-bframes", "bikes"])
+def test_pyav_skips_the_non_reference_frames_no_request_asks_for_and_gives_the_same_frames(clips, clip, tmp_path):
+    """H.264 pictures with nal_ref_idc 0 that a request does not ask for are not decoded: the frames asked for are
+    those of decoding every frame, at the build's 2 fps pattern and when a request asks for a frame whose packet
+    the decoder read ahead while serving the request before (its packet must not have been dropped)."""
+    path = write_gop_clip(tmp_path, "h264", frames=240) if clip == "x264-bframes" else clips["bikes"]
+    frames = probe_video(path).frames
+    every = open_reader("pyav", path).get_batch(list(range(frames)))  # every frame asked: none skipped
+    reader = open_reader("pyav", path)
+    non_reference = sorted(reader._non_reference)
+    assert len(non_reference) >= frames // 4, len(non_reference)  # x264's B-frames
+    for start in range(0, frames, 60):  # 2 fps windows of a 30 fps source
+        request = list(range(start, min(start + 60, frames), 15))
+        assert np.array_equal(reader.get_batch(request), every[request]), request
+    assert reader.decoded <= frames - len(non_reference) // 2, (reader.decoded, frames)
+    reader.close()
+    reader = open_reader("pyav", path)
+    for n in non_reference[:20]:  # the frame before, then the non-reference one the decoder has read ahead
+        assert np.array_equal(reader.get_batch([n - 1])[0], every[n - 1]), n - 1
+        assert np.array_equal(reader.get_batch([n])[0], every[n]), n
+    reader.close()
+
+
 def test_pyav_counts_frames_where_packets_do_not_number_them(tmp_path):
     """A file whose packets lack timestamps (or repeat one) is decoded from its start and its frames counted: the
     same frames as the timestamp path, a request behind the position reopens, one past the end is a DecodeError."""
