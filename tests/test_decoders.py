@@ -294,6 +294,33 @@ def test_pyav_skips_the_non_reference_frames_no_request_asks_for_and_gives_the_s
     reader.close()
 
 
+def test_an_access_unit_is_non_reference_only_when_every_nal_unit_in_it_says_so():
+    """prep.decoders._access_unit on hand-made length-prefixed packets: (non-reference, TemporalId), None when the
+    lengths do not add up (the reader then skips nothing in that file)."""
+    from prep.decoders import _access_unit
+
+    def units(*nals: bytes) -> bytes:
+        return b"".join(len(n).to_bytes(4, "big") + n for n in nals)
+
+    h264 = {"non-ref slice": b"\x01\x9a", "ref slice": b"\x21\x9a", "IDR": b"\x65\x88", "SEI": b"\x06\x05",
+            "AUD": b"\x09\xf0", "SPS": b"\x67\x42", "partition A": b"\x02\x9a"}
+    assert _access_unit(units(h264["non-ref slice"]), "h264", 4) == (True, 0)
+    assert _access_unit(units(h264["AUD"], h264["SEI"], h264["non-ref slice"], h264["non-ref slice"]), "h264", 4) == (True, 0)
+    for other in ("ref slice", "IDR", "SPS", "partition A"):
+        assert _access_unit(units(h264["non-ref slice"], h264[other]), "h264", 4) == (False, 0), other
+    assert _access_unit(units(h264["SEI"]), "h264", 4) == (False, 0)  # no picture in it
+    assert _access_unit(units(h264["non-ref slice"])[:-1], "h264", 4) is None  # cut short
+    assert _access_unit(units(h264["non-ref slice"]) + b"\x00", "h264", 4) is None  # trailing bytes
+    # HEVC: 2-byte headers, type in bits 1-6 of the first, layer id 0, TemporalId + 1 in the low 3 bits of the second
+    trail_n, trail_r, tsa_n_t2 = b"\x00\x01\xaf", b"\x02\x01\xaf", b"\x04\x03\xaf"
+    assert _access_unit(units(trail_n), "hevc", 4) == (True, 0)
+    assert _access_unit(units(b"\x46\x01\x50", trail_n), "hevc", 4) == (True, 0)  # AUD first
+    assert _access_unit(units(trail_r), "hevc", 4) == (False, 0)
+    assert _access_unit(units(tsa_n_t2), "hevc", 4) == (True, 2)
+    assert _access_unit(units(b"\x00\x09\xaf"), "hevc", 4) == (False, 0)  # nuh_layer_id 1: a layered stream
+    assert _access_unit(units(b"\x42\x01\x01", trail_n), "hevc", 4) == (False, 0)  # with an SPS
+
+
 def test_pyav_counts_frames_where_packets_do_not_number_them(tmp_path):
     """A file whose packets lack timestamps (or repeat one) is decoded from its start and its frames counted: the
     same frames as the timestamp path, a request behind the position reopens, one past the end is a DecodeError."""
