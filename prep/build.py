@@ -41,7 +41,7 @@ from prep.probe import ProbeFailure, ProbeResult, probe_video
 from prep.shards import (INPUT_REJECTS, ShardPaths, ShardWriter, assemble, file_entry, group_videos, read_stats, shard_name,
                          shard_samples, write_stats)
 from prep.windows import LAST_WINDOW, MIN_LAST_S, Window, make_windows
-from prep.workers import Pool, Retry, distribute, heartbeat
+from prep.workers import Pool, Retry, distribute, heartbeat, loading
 from schemas.annotations import FORMATS, Annotation, reject
 from schemas.answer import DESCRIPTION as ANSWER_FORMAT
 from schemas.answer import format_answer
@@ -717,10 +717,13 @@ def _cores() -> int:
 
 def build(config: BuildConfig) -> dict:
     """Run a whole build under the lock on --out; returns the summary that also goes into build.json."""
-    problems = config.problems()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    with loading():  # the decoder (problems() imports it), the tokenizer and what every worker calls first
+        problems = config.problems()
+        if not problems:
+            warm_before_fork(str(config.tokenizer) if config.tokenizer else None, config.prompt_layout)
     if problems:
         raise BuildError("invalid build config:\n  " + "\n  ".join(problems))
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     part = config.part_of()
     # held until build.json is written (BuildLocked when another build has it); a part shares the build's
     # lock with the other parts and holds its own part lock alone
@@ -760,7 +763,6 @@ def _build_locked(config: BuildConfig, pool: Pool) -> dict:
     tok_info = _tokenizer_info(config.tokenizer)  # fails fast on a tokenizer without the Qwen-VL tokens
 
     bound = input_bound(config.max_input_tokens, config.tokenizer)
-    warm_before_fork(str(config.tokenizer) if config.tokenizer else None, config.prompt_layout)  # pool forks next
     with io_stage("annotations", config.annotations):
         anns, input_rejects = load_annotations(config.annotations, config.videos, config.format,
                                                allow_outside=config.allow_outside_videos)

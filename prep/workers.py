@@ -26,6 +26,7 @@ cluster distributor (e.g. Ray) would take the same worker and tasks.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import multiprocessing
@@ -146,6 +147,23 @@ class Pool:
         self.close()
 
 
+@contextlib.contextmanager
+def loading() -> Iterator[None]:
+    """The cyclic garbage collector off while a process loads what it keeps to the end (torch, transformers, a
+    decoder: millions of objects), then all of it frozen (gc.freeze): no later collection walks it again, in this
+    process, in the workers forked from it, or at the interpreter's exit. `python -m prep build`'s start on the
+    2-core box: loading torch, transformers and torchcodec 3.43 -> 2.72 s, the exit 0.75 -> 0.16 s (BENCHMARKS.md,
+    Prep, session 18). The collector is as it was afterwards."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
+
+
 def distribute(worker: Callable[[Any], Any], tasks: list, *, processes: int, streams: int = 1,
                stall_s: float | None = None, on_stall: Callable[[Any, str, float], Any] | None = None,
                on_progress: Callable[[Any], None] | None = None, pool: Pool | None = None) -> Iterator[tuple[int, Any]]:
@@ -247,11 +265,14 @@ def _start(ctx, worker) -> _Slot:
     # The child never collects what it inherits: garbage of the parent's (a decoder a caller left in a reference
     # cycle, say) finalized in the child would clean up threads that do not exist there. A shard worker of the test
     # suite, forked from a process that had decoded in earlier tests, died of a segfault while garbage-collecting.
+    # The parent unfreezes only when nothing was frozen before: what loading() froze stays frozen.
+    frozen_before = gc.get_freeze_count()
     gc.freeze()
     try:
         process.start()
     finally:
-        gc.unfreeze()
+        if not frozen_before:
+            gc.unfreeze()
     child.close()
     return _Slot(process=process, conn=parent, generic=worker is None)
 

@@ -249,3 +249,29 @@ def test_a_stalled_stream_kills_its_process_the_others_run_again_and_beats_from_
     # b was killed with a's process and ran again from the start in the fresh one; c had finished
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.0", "b.0", "b.1", "c.0"]
     assert not children()
+
+
+def test_loading_freezes_what_was_loaded_and_forking_workers_keeps_it_frozen():
+    """prep.workers.loading: the collector is off inside and as before after, what was made inside is frozen, and a
+    pool's fork (which freezes around itself) does not unfreeze it. In a fresh interpreter: freezing is process-wide."""
+    import subprocess
+    import sys
+
+    code = (
+        "import gc\n"
+        "from prep.workers import distribute, loading\n"
+        "with loading():\n"
+        "    assert not gc.isenabled()\n"
+        "    kept = [[i] for i in range(20000)]\n"
+        "assert gc.isenabled(), 'collector left off'\n"
+        "frozen = gc.get_freeze_count()\n"
+        "assert frozen >= 20000, frozen\n"
+        "assert sorted(r for _, r in distribute(abs, [-1, -2], processes=2)) == [1, 2]\n"
+        "assert gc.get_freeze_count() >= frozen, (gc.get_freeze_count(), frozen)\n"
+        "gc.disable()\n"
+        "with loading():\n"
+        "    pass\n"
+        "assert not gc.isenabled(), 'collector turned on'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
