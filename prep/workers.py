@@ -150,10 +150,9 @@ class Pool:
 @contextlib.contextmanager
 def loading() -> Iterator[None]:
     """The cyclic garbage collector off while a process loads what it keeps to the end (torch, transformers, a
-    decoder: millions of objects), then all of it frozen (gc.freeze): no later collection walks it again, in this
-    process, in the workers forked from it, or at the interpreter's exit. `python -m prep build`'s start on the
-    2-core box: loading torch, transformers and torchcodec 3.43 -> 2.72 s, the exit 0.75 -> 0.16 s (BENCHMARKS.md,
-    Prep, session 18). The collector is as it was afterwards."""
+    decoder: millions of objects, collected again and again as they are made), then frozen until the pool's next
+    fork unfreezes it. Loading torch, transformers and torchcodec on the 2-core box: 3.43 s, 2.72 s without the
+    collector (BENCHMARKS.md, Prep, session 18). The collector is as it was afterwards."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -265,14 +264,11 @@ def _start(ctx, worker) -> _Slot:
     # The child never collects what it inherits: garbage of the parent's (a decoder a caller left in a reference
     # cycle, say) finalized in the child would clean up threads that do not exist there. A shard worker of the test
     # suite, forked from a process that had decoded in earlier tests, died of a segfault while garbage-collecting.
-    # The parent unfreezes only when nothing was frozen before: what loading() froze stays frozen.
-    frozen_before = gc.get_freeze_count()
     gc.freeze()
     try:
         process.start()
     finally:
-        if not frozen_before:
-            gc.unfreeze()
+        gc.unfreeze()  # in the parent (and what loading() froze with it: a long-lived caller collects its garbage)
     child.close()
     return _Slot(process=process, conn=parent, generic=worker is None)
 

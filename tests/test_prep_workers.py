@@ -251,23 +251,20 @@ def test_a_stalled_stream_kills_its_process_the_others_run_again_and_beats_from_
     assert not children()
 
 
-def test_loading_freezes_what_was_loaded_and_forking_workers_keeps_it_frozen():
-    """prep.workers.loading: the collector is off inside and as before after, what was made inside is frozen, and a
-    pool's fork (which freezes around itself) does not unfreeze it. In a fresh interpreter: freezing is process-wide."""
+def test_loading_runs_without_the_collector_and_leaves_it_as_it_was():
+    """prep.workers.loading: the collector is off inside, what was made inside is frozen, and the collector is as it
+    was after (on or off). In a fresh interpreter: the collector's state is process-wide."""
     import subprocess
     import sys
 
     code = (
         "import gc\n"
-        "from prep.workers import distribute, loading\n"
+        "from prep.workers import loading\n"
         "with loading():\n"
         "    assert not gc.isenabled()\n"
         "    kept = [[i] for i in range(20000)]\n"
         "assert gc.isenabled(), 'collector left off'\n"
-        "frozen = gc.get_freeze_count()\n"
-        "assert frozen >= 20000, frozen\n"
-        "assert sorted(r for _, r in distribute(abs, [-1, -2], processes=2)) == [1, 2]\n"
-        "assert gc.get_freeze_count() >= frozen, (gc.get_freeze_count(), frozen)\n"
+        "assert gc.get_freeze_count() >= 20000, gc.get_freeze_count()\n"
         "gc.disable()\n"
         "with loading():\n"
         "    pass\n"
