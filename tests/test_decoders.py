@@ -271,15 +271,17 @@ def test_pyav_seeks_to_far_frames_and_gives_the_frames_of_decoding_from_the_star
     reader.close()
 
 
+@pytest.mark.parametrize("threads", [1, 4])  # 4: frame threads, which read further ahead
 @pytest.mark.parametrize("clip", ["h264", "hevc", "bikes"])
-def test_pyav_skips_the_non_reference_frames_no_request_asks_for_and_gives_the_same_frames(clips, clip, tmp_path):
+def test_pyav_skips_the_non_reference_frames_no_request_asks_for_and_gives_the_same_frames(clips, clip, threads,
+                                                                                           tmp_path):
     """Non-reference pictures (H.264 nal_ref_idc 0, HEVC's sub-layer non-reference types) that a request does not
     ask for are not decoded: the frames asked for are those of decoding every frame, at the build's 2 fps pattern
     and when a request asks for a frame whose packet the decoder read ahead while serving the request before."""
     path = clips["bikes"] if clip == "bikes" else write_gop_clip(tmp_path, clip, frames=240)  # B-frames
     frames = probe_video(path).frames
     every = open_reader("pyav", path).get_batch(list(range(frames)))  # every frame asked: none skipped
-    reader = open_reader("pyav", path)
+    reader = open_reader("pyav", path, num_threads=threads)
     non_reference = sorted(reader._non_reference)
     assert len(non_reference) >= frames // 4, len(non_reference)  # x264's B-frames
     for start in range(0, frames, 60):  # 2 fps windows of a 30 fps source
@@ -287,7 +289,7 @@ def test_pyav_skips_the_non_reference_frames_no_request_asks_for_and_gives_the_s
         assert np.array_equal(reader.get_batch(request), every[request]), request
     assert reader.decoded <= frames - len(non_reference) // 2, (reader.decoded, frames)
     reader.close()
-    reader = open_reader("pyav", path)
+    reader = open_reader("pyav", path, num_threads=threads)
     for n in non_reference[:20]:  # the frame before, then the non-reference one the decoder has read ahead
         assert np.array_equal(reader.get_batch([n - 1])[0], every[n - 1]), n - 1
         assert np.array_equal(reader.get_batch([n])[0], every[n]), n
