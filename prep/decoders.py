@@ -314,11 +314,12 @@ def _access_unit(packet, codec: str, nal_length: int) -> tuple[bool, int] | None
     """(whether no later picture of its sub-layer is predicted from this access unit, its TemporalId: 0 in H.264);
     None when the packet does not parse as length-prefixed NAL units. Non-reference: every slice is (H.264:
     nal_ref_idc 0; HEVC: a sub-layer non-reference type) and nothing else in it is needed later (no IDR, parameter
-    sets, data partitions, extension or scalable layers)."""
+    sets, data partitions, extension or scalable layers). A reference slice ends the reading at once (its
+    TemporalId is its access unit's): a stream without B-frames costs a NAL header or two a packet."""
     data = memoryview(packet).cast("B")
     hevc = codec == "hevc"
     skippable, slices = (_HEVC_SKIPPABLE, _HEVC_NON_REFERENCE) if hevc else (_H264_SKIPPABLE, _H264_NON_REFERENCE)
-    i, kinds, layer, referenced = 0, [], 0, False
+    i, kinds, layer = 0, [], 0
     while i < len(data):
         start = i + nal_length
         if start + hevc >= len(data):
@@ -329,14 +330,16 @@ def _access_unit(packet, codec: str, nal_length: int) -> tuple[bool, int] | None
             return None
         if hevc:
             second = data[start + 1]
-            kinds.append((header >> 1) & 0x3F)
-            layer = max(layer, (second & 7) - 1)
-            referenced |= bool(header & 1 or second >> 3)  # nuh_layer_id != 0: a layered stream, left alone
+            kind, layer = (header >> 1) & 0x3F, max(layer, (second & 7) - 1)
+            # a VCL unit (types 0-31) of a reference type, or of a layered (scalable, multi-view) stream
+            reference = kind < 32 and (kind not in slices or bool(header & 1 or second >> 3))
         else:
-            kinds.append(header & 0x1F)
-            referenced |= kinds[-1] in slices and bool(header & 0x60)  # nal_ref_idc != 0
-    non_reference = not referenced and all(k in skippable for k in kinds) and any(k in slices for k in kinds)
-    return non_reference, layer
+            kind = header & 0x1F
+            reference = 1 <= kind <= 5 and (kind not in slices or bool(header & 0x60))  # IDR, partitions, nal_ref_idc
+        if reference:
+            return False, layer
+        kinds.append(kind)
+    return all(k in skippable for k in kinds) and any(k in slices for k in kinds), layer
 
 
 _READERS = {"decord": _Decord, "torchcodec": _TorchCodec, "pyav": _PyAV}
