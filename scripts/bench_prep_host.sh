@@ -62,10 +62,11 @@ for sps, rows in runs.items():
           f"{statistics.median(r['wall_s'] for r in rows):.2f} s, CPU {statistics.median(r['cpu_s'] for r in rows):.2f} s")
 PY
 VIDEOS=/tmp/video-ora-bench-videos/issue-32
-python - <<'PY'
+python - "$VIDEOS" <<'PY'
+import sys
 from pathlib import Path
 from scripts.bench_prep import write_annotations
-write_annotations(Path("/tmp/video-ora-bench-videos/issue-32"), Path("/tmp/timeline-annotations.jsonl"))
+write_annotations(Path(sys.argv[1]), Path("/tmp/timeline-annotations.jsonl"))
 PY
 for rep in 1 2 3; do
   python -m scripts.cpu_timeline --every 0.02 -- python -m prep build --videos "$VIDEOS" \
