@@ -26,7 +26,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
-from contextlib import closing
+from contextlib import ExitStack, closing
 from pathlib import Path
 
 from prep import answers as answers_mod
@@ -35,11 +35,11 @@ from prep.budget import FPS_MAX_FRAMES, FPS_MIN_FRAMES, PATCH_SIZE, FramePlan, V
 from prep.decode import RESIZE, DecodeError, decode_windows, encode_windows, keep_freed_buffers, read_ahead
 from prep.decoders import BACKENDS, DECORD_EXACT_CODECS, DEFAULT_BACKEND, EXACT_FALLBACK, backend_for
 from prep.decoders import available as decoder_available
-from prep.outdir import (PLAN_FILE, BuildIOError, BuildLock, BuildLocked, io_stage, our_files, part_lock_name, sweep_temps,
-                         tmp_name)
+from prep.outdir import (PLAN_FILE, BuildIOError, BuildLock, BuildLocked, Discard, discard_folders, io_stage,
+                         our_files, part_lock_name, sweep_temps, tmp_name)
 from prep.probe import ProbeFailure, ProbeResult, probe_video
-from prep.shards import (INPUT_REJECTS, ShardPaths, ShardWriter, assemble, file_entry, group_videos, read_stats, shard_name,
-                         shard_samples, write_stats)
+from prep.shards import (INPUT_REJECTS, ShardOutput, ShardPaths, ShardWriter, assemble, file_entry, group_videos,
+                         read_shard, read_stats, shard_name, shard_samples, write_stats)
 from prep.windows import LAST_WINDOW, MIN_LAST_S, Window, make_windows
 from prep.workers import Pool, Retry, distribute, heartbeat, loading
 from schemas.annotations import FORMATS, Annotation, reject
@@ -742,23 +742,23 @@ def build(config: BuildConfig) -> dict:
                       f"it (killed?); its unfinished shards are rebuilt", file=sys.stderr)
         # any OS error a named stage below did not catch; the probes' processes build the shards too (one
         # fork round), the pool stops them at the end
-        with io_stage("build", config.out), Pool() as pool:
-            return _build_locked(config, pool)
+        with io_stage("build", config.out), Pool() as pool, ExitStack() as on_exit:
+            return _build_locked(config, pool, on_exit)
     finally:
         for lock in reversed(held):
             lock.release()
 
 
-def _build_locked(config: BuildConfig, pool: Pool) -> dict:
+def _build_locked(config: BuildConfig, pool: Pool, on_exit: ExitStack) -> dict:
     t_start = time.perf_counter()
     out = config.out
     part = config.part_of()
     with io_stage("clean", out):
-        if config.overwrite:
-            for p in our_files(out):
-                p.unlink()
-        if part is None:
+        if part is None:  # (--overwrite is refused with --part)
             sweep_temps(out)  # partial files of a dead build: no other build can be writing here now
+            old = discard_folders(out) + (our_files(out) if config.overwrite else [])
+            if old:
+                on_exit.enter_context(Discard(out, old))  # deleted while this build runs
     budget = config.budget()
     tok_info = _tokenizer_info(config.tokenizer)  # fails fast on a tokenizer without the Qwen-VL tokens
 
@@ -832,7 +832,7 @@ def _build_locked(config: BuildConfig, pool: Pool) -> dict:
     t0 = time.perf_counter()
     plan_s = t0 - t_plan
     with io_stage("shards", out):  # the workers name their own stage and file (write shard, sidecars, stats)
-        _run_shards(pending, config, pool, split.streams)
+        built = _run_shards(pending, config, pool, split.streams)
     shards_s = time.perf_counter() - t0
     with io_stage("clean", out):  # temps of attempts that were killed and retried (a Ray task, a stalled worker)
         sweep_temps(out, None if part is None else tuple(t.paths.name + "." for t in mine))
@@ -840,10 +840,10 @@ def _build_locked(config: BuildConfig, pool: Pool) -> dict:
         return _part_summary(config, tasks, mine, pending, probe_s, shards_s, time.perf_counter() - t_start)
 
     t0 = time.perf_counter()
-    names = [t.paths.name for t in tasks]
     with io_stage("assemble", out / "manifest.parquet"):
-        samples, rejects = assemble(out, names)
-    stats = [read_stats(t.paths) for t in tasks]
+        shards = [built.get(t.paths.name) or read_shard(t.paths) for t in tasks]  # an earlier run's: read now
+        samples, rejects = assemble(out, shards)
+    stats = [s.stats for s in shards]
     assemble_s = time.perf_counter() - t0
     total_s = time.perf_counter() - t_start
     pending_names = {t.paths.name for t in pending}
@@ -959,9 +959,10 @@ def _probe_all(paths: list[str], config: BuildConfig, pool: Pool) -> list[ProbeR
     return out
 
 
-def _run_shards(tasks: list[ShardTask], config: BuildConfig, pool: Pool, streams: int) -> None:
-    """Process shards in the workers with a progress bar fed per video. A file whose decode stalls is
-    dropped from its shard (decode_timeout rejects) and the shard is rebuilt without it."""
+def _run_shards(tasks: list[ShardTask], config: BuildConfig, pool: Pool, streams: int) -> dict[str, ShardOutput]:
+    """Process shards in the workers with a progress bar fed per video; returns each shard's output (name ->
+    ShardOutput), read here as its worker reports it. A file whose decode stalls is dropped from its shard
+    (decode_timeout rejects) and the shard is rebuilt without it."""
     from tqdm import tqdm
 
     tqdm.monitor_interval = 0  # no monitor thread: the watchdog forks replacement workers from this process
@@ -971,6 +972,7 @@ def _run_shards(tasks: list[ShardTask], config: BuildConfig, pool: Pool, streams
     update = BuildProgress(bar)
 
     on_stall = ShardStall(decode_timeout=config.decode_timeout)
+    built = {}
     pool.keep(config.workers if config.ray is None else 0)  # the probe's extra processes exit while shards start
     try:
         if config.ray is None:
@@ -986,8 +988,11 @@ def _run_shards(tasks: list[ShardTask], config: BuildConfig, pool: Pool, streams
             for i, stats in results:
                 if config.ray is not None:  # no per-video beats cross the cluster: the bar moves per shard
                     update(((tasks[i].paths.name,), stats["videos"], stats.get("windows", 0), stats.get("source_s", 0.0)))
+                with io_stage("assemble", tasks[i].paths.samples):
+                    built[tasks[i].paths.name] = read_shard(tasks[i].paths, stats)
     finally:
         bar.close()
+    return built
 
 
 class BuildProgress:

@@ -14,6 +14,8 @@ its own `build.part-K-of-N.lock` exclusively (two copies of one part refuse each
 Temporary files: every writer writes under its own name, `<final name>.<pid>-<random>.tmp`, and renames
 only that file into place, so two writers can never publish or delete each other's partial bytes. Temps
 left by a dead build are removed by the next build once it holds the lock (no other build can be live).
+--overwrite renames the old build's files into `OUT/.overwritten.<pid>-<random>.tmp/` and deletes that folder
+while the new build runs (Discard); the next build does the same with such a folder a killed build left.
 
 OS errors (no space, permission denied, read-only filesystem, ...) become a BuildIOError naming the stage
 and the path (`with io_stage("write shard", path): ...`), printed as one line with exit code 4: nothing is
@@ -29,8 +31,10 @@ import json
 import os
 import re
 import secrets
+import shutil
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,6 +44,7 @@ LOCK_FILE = "build.lock"
 TMP_SUFFIX = ".tmp"
 PLAN_FILE = "build.plan.json"  # the video -> shard plan a resumed build must match
 INPUT_REJECTS = "input.rejects.parquet"  # rejects found before any shard (annotations, probe)
+DISCARD = ".overwritten"  # + .<pid>-<random>.tmp: the folder of --overwrite's old files, being deleted
 # files of a build besides shard-*: what --overwrite deletes and whose temps the lock holder may sweep
 BUILD_FILES = ("manifest.parquet", "rejects.parquet", "build.json", PLAN_FILE, INPUT_REJECTS)
 
@@ -106,6 +111,45 @@ def sweep_temps(out: Path, prefixes: tuple[str, ...] | None = None) -> list[str]
             p.unlink(missing_ok=True)
             gone.append(p.name)
     return gone
+
+
+def discard_folders(out: Path) -> list[Path]:
+    """The folders of --overwrite builds that were killed before they had deleted the old build (Discard)."""
+    return sorted(p for p in out.glob(f"{DISCARD}.*{TMP_SUFFIX}") if p.is_dir())
+
+
+class Discard:
+    """--overwrite's deletion of the old build, off the build's path: its files (and the folders of killed earlier
+    discards) are renamed into a folder of their own (a rename each, instant) and a thread deletes that folder
+    while the new build probes and decodes.
+    Unlinking a build's files costs the kernel time per cached page: 0.08 of a 7.5 s build on the 2-core box,
+    ~0.1 of 1.92 s on the 16-core host (BENCHMARKS.md, Prep, session 19). Leaving the `with` block waits for the
+    thread, and raises what it met as a BuildIOError of stage clean (the folder then stays; the next build sweeps
+    it)."""
+
+    def __init__(self, out: Path, files: list[Path]):
+        self.folder = tmp_name(out / DISCARD)
+        self.folder.mkdir()
+        for p in files:
+            p.rename(self.folder / p.name)
+        self._error: OSError | None = None
+        self._thread = threading.Thread(target=self._remove, name="discard", daemon=True)
+        self._thread.start()
+
+    def _remove(self) -> None:
+        try:
+            shutil.rmtree(self.folder)
+        except OSError as e:
+            self._error = e
+
+    def __enter__(self) -> "Discard":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._thread.join()
+        if self._error is not None and exc[0] is None:
+            with io_stage("clean", self.folder):
+                raise self._error
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -499,6 +499,23 @@ def test_kill_9_then_rerun_gives_every_sample_once(synth_videos_dir, tmp_path):
         build(BuildConfig(**{**config, "jpeg_quality": 80}))
 
 
+def test_overwrite_removes_every_old_file_and_a_dead_builds_discard_folder(synth_videos_dir, tmp_path):
+    """--overwrite deletes the old build in a thread while the new one runs (prep.outdir.Discard): when build()
+    returns, the old build's files are gone, those the new plan has no shard for included, and so is the folder
+    an earlier --overwrite left when it was killed."""
+    out = tmp_path / "out"
+    cfg = dict(videos=synth_videos_dir, out=out, **BUILT_SHARDS_ARGS)
+    first = build(BuildConfig(**cfg))
+    stale = out / ".overwritten.4242-deadbeef.tmp"
+    stale.mkdir()
+    (stale / "shard-000009.tar").write_bytes(b"x" * 1000)
+    second = build(BuildConfig(**{**cfg, "samples_per_shard": 10**6}, overwrite=True))
+    assert first["shards"] > 1 and second["shards"] == 1
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(("shard-", "."))) == [
+        f"shard-000000.{ext}" for ext in ("rejects.parquet", "samples.parquet", "stats.json", "tar")]
+    assert len(read_records(out / "manifest.parquet", SampleRecord)) == first["samples"]
+
+
 def test_leftovers_of_an_interrupted_shard_are_rebuilt(synth_videos_dir, tmp_path):
     out = tmp_path / "out"
     cfg = dict(videos=synth_videos_dir, out=out, **{**BUILT_SHARDS_ARGS})
