@@ -135,18 +135,45 @@ class ShardWriter:
 
 
 class _HashingWriter:
-    """File wrapper that hashes what tarfile writes, so the sha256 costs no second read."""
+    """File wrapper that hashes what tarfile writes, so the sha256 costs no second read, and starts the disk
+    writing every WRITEBACK_BYTES (sync_file_range, Linux), so commit()'s fsync waits for the last few MiB
+    instead of the whole tar: 2-core box, 32 shards of 8.4 MB, the commits' wall 0.226 -> 0.031 s a build
+    (BENCHMARKS.md, Prep, session 19)."""
 
     def __init__(self, f, h, path: Path):
         self._f, self._h, self._path = f, h, path
+        self._started = 0  # bytes whose writeback has been started
 
     def write(self, data: bytes) -> int:
         faults.maybe_enospc(self._path)
         self._h.update(data)
-        return self._f.write(data)
+        n = self._f.write(data)
+        end = self._f.tell()
+        if end - self._started >= WRITEBACK_BYTES and _start_writeback is not None:
+            self._f.flush()
+            _start_writeback(self._f.fileno(), self._started, end - self._started)
+            self._started = end
+        return n
 
     def tell(self) -> int:
         return self._f.tell()
+
+
+def _writeback_function():
+    """sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE): queue those bytes for the disk, don't wait
+    (None where libc has no such call). A failure is left to the fsync that follows (it reports write errors)."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None).sync_file_range  # this process's libc
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return lambda fd, offset, nbytes: fn(fd, offset, nbytes, 2)  # 2: SYNC_FILE_RANGE_WRITE
+
+
+WRITEBACK_BYTES = 4 << 20
+_start_writeback = _writeback_function()
 
 
 def write_stats(paths: ShardPaths, stats: dict) -> None:

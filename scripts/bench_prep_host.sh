@@ -11,8 +11,10 @@
 # Ray is not in the bundle (its wheel alone is over the 64 MiB carry), so the Ray leg is the 2-core box's.
 # 3. the busy cores over time (scripts/cpu_timeline) during default `prep build` runs with torchcodec, so the idle
 #    cores (fork ramp, probe stage, tail) show where the build's wall goes over its CPU / 16.
+# 4. with BASE_TREE=<a checkout of an earlier commit> (e.g. `git archive <commit> prep schemas scripts train | tar x
+#    -C .whl_train/base`, carried): scripts/ab_build, that tree against this one, 5 alternated rounds at all cores.
 # What comes back: env.txt, bench_<decoder>.txt (table + JSON), bench_<decoder>.log (every run), shards.txt,
-# timeline.txt.
+# timeline.txt, ab.txt (with BASE_TREE).
 set -u
 OUT=${OUT:-/tmp/bench_prep_host}
 mkdir -p "$OUT"
@@ -77,3 +79,6 @@ for rep in 1 2 3; do
   tail -1 /tmp/timeline-$rep.txt >> "$OUT/timeline.txt"
 done
 grep t_s /tmp/timeline-3.txt >> "$OUT/timeline.txt"
+if [ -n "${BASE_TREE:-}" ]; then
+  python -m scripts.ab_build --tree "base=$BASE_TREE" --tree new=. --rounds 5 > "$OUT/ab.txt" 2>&1
+fi

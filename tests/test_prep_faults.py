@@ -131,6 +131,41 @@ def test_shard_writers_never_touch_each_others_temp_files(built_shards, tmp_path
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_a_shard_writer_starts_the_disk_writing_as_it_goes(built_shards, tmp_path, monkeypatch):
+    """Writeback is started on every WRITEBACK_BYTES written (so commit's fsync has little left to wait for),
+    over consecutive ranges of the file, after the bytes reached the kernel; the tar is the same bytes."""
+    import prep.shards as shards
+
+    src = ShardPaths(built_shards, "shard-000000")
+    with tarfile.open(src.tar) as tar:
+        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    key = sorted(members)[0].split(".")[0]
+    sample = ShardSample.from_json(json.loads(members[f"{key}.json"]))
+    jpegs = [members[f"{key}.f{i:03d}.jpg"] for i in range(sample.record.num_frames)]
+    started = []
+
+    def record(fd, offset, nbytes):
+        started.append((offset, nbytes, os.fstat(fd).st_size))
+
+    monkeypatch.setattr(shards, "WRITEBACK_BYTES", 4096)
+    monkeypatch.setattr(shards, "_start_writeback", record)
+    paths = ShardPaths(tmp_path, "shard-000000")
+    writer = ShardWriter(paths)
+    for _ in range(3):
+        writer.add(sample, jpegs)
+    sha, size = writer.commit()
+    (tmp_path / "ref").mkdir()
+    monkeypatch.setattr(shards, "_start_writeback", None)  # where libc has no sync_file_range
+    reference = ShardWriter(ShardPaths(tmp_path / "ref", "shard-000000"))
+    for _ in range(3):
+        reference.add(sample, jpegs)
+    assert reference.commit() == (sha, size)
+    assert len(started) >= size // 4096 // 4 and started[0][0] == 0
+    assert all(b[0] == a[0] + a[1] for a, b in zip(started, started[1:]))  # consecutive, nothing twice
+    assert all(n >= 4096 and file_size >= offset + n for offset, n, file_size in started)  # flushed first
+    assert started[-1][0] + started[-1][1] <= size
+
+
 # ------------------------------------------------------------------------------------- complete shards
 
 

@@ -2,7 +2,11 @@
 the bench takes minutes, the wheelhouse needs the package registry)."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import zipfile
+from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
@@ -94,3 +98,23 @@ def test_cpu_timeline_counts_the_cores_a_command_keeps_busy(capsys):
     summary = lines[-1]["summary"]
     assert summary["rc"] == 3 and summary["machine_cpu_s"] >= 0.4  # whole machine: at least the spin's CPU
     assert len(lines) > 10 and max(s["busy_cores"] for s in lines[:-1]) >= 0.5
+
+
+def test_ab_build_alternates_the_trees_and_the_floor_and_reports_every_stage(synth_videos_dir):
+    """Two sides (the same tree twice) and the floor, one untimed and two timed rounds each (the floor needs a
+    build's frames, so it runs after the first); every build's stages and its shard commits (timed in the forked
+    workers) come back."""
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "scripts.ab_build", "--tree", f"a={repo}", "--tree", f"b={repo}",
+                           "--videos", str(synth_videos_dir), "--rounds", "2", "--workers", "1"],
+                          cwd=repo, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    rows, result = lines[:-1], lines[-1]
+    assert sorted((r["side"], r["round"]) for r in rows) == sorted(
+        [(side, r) for side in ("a", "b", "floor") for r in (0, 1, 2)])
+    medians = result["medians"]
+    assert list(medians) == ["a", "b", "floor"] and medians["a"]["vs_a"] == 1.0
+    for side in ("a", "b"):
+        assert all(medians[side][k] > 0 for k in ("wall_s", "cpu_s", "probe", "shards", "total", "commits_s"))
+        assert medians[side]["total"] <= medians[side]["wall_s"]
