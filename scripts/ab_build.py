@@ -93,7 +93,7 @@ def compare(args: argparse.Namespace) -> dict:
 
     args.workers = args.workers or cores()
     work = Path(tempfile.mkdtemp(prefix="ab-build-"))
-    videos = args.videos or issue_videos(args.cache_dir, args.synth)
+    videos = (args.videos or issue_videos(args.cache_dir, args.synth)).resolve()  # the helpers run in their trees
     annotations = work / "annotations.jsonl"
     write_annotations(videos, annotations)
     sides = [Side(name, Path(path).resolve(), args, videos, annotations, work)

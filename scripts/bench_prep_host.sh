@@ -13,6 +13,7 @@
 #    cores (fork ramp, probe stage, tail) show where the build's wall goes over its CPU / 16.
 # 4. with BASE_TREE=<a checkout of an earlier commit> (e.g. `git archive <commit> prep schemas scripts train | tar x
 #    -C .whl_train/base`, carried): scripts/ab_build, that tree against this one, 5 alternated rounds at all cores.
+# PARTS="1 4" (default "1 2 3 4") runs only those parts: a device call has 600 s, and all four take about that.
 # What comes back: env.txt, bench_<decoder>.txt (table + JSON), bench_<decoder>.log (every run), shards.txt,
 # timeline.txt, ab.txt (with BASE_TREE).
 set -u
@@ -23,10 +24,15 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false
   date; nproc; uptime
   python -c "import torch, decord, av, torchcodec; print('torch', torch.__version__, 'decord', decord.__version__, 'av', av.__version__, 'torchcodec', torchcodec.__version__)"
 } > "$OUT/env.txt" 2>&1
+part() { [[ " ${PARTS:-1 2 3 4} " == *" $1 "* ]]; }
+python -c "from pathlib import Path; from scripts.bench_prep import issue_videos; issue_videos(Path('/tmp/video-ora-bench-videos'), 32)"
+if part 1; then
 for decoder in torchcodec decord; do
   python -m scripts.bench_prep --synth 32 --workers 1 4 16 --repeats 2 --warm-up once --no-markdown \
     --decoder "$decoder" > "$OUT/bench_$decoder.txt" 2> "$OUT/bench_$decoder.log"
 done
+fi
+if part 2; then
 python - > "$OUT/shards.txt" 2>&1 <<'PY'
 import json, resource, statistics, tempfile, time
 from pathlib import Path
@@ -63,7 +69,9 @@ for sps, rows in runs.items():
     print(f"--samples-per-shard {sps}: {rows[0]['shards']} shards, median wall "
           f"{statistics.median(r['wall_s'] for r in rows):.2f} s, CPU {statistics.median(r['cpu_s'] for r in rows):.2f} s")
 PY
+fi
 VIDEOS=/tmp/video-ora-bench-videos/issue-32
+if part 3; then
 python - "$VIDEOS" <<'PY'
 import sys
 from pathlib import Path
@@ -79,6 +87,7 @@ for rep in 1 2 3; do
   tail -1 /tmp/timeline-$rep.txt >> "$OUT/timeline.txt"
 done
 grep t_s /tmp/timeline-3.txt >> "$OUT/timeline.txt"
-if [ -n "${BASE_TREE:-}" ]; then
+fi
+if part 4 && [ -n "${BASE_TREE:-}" ]; then
   python -m scripts.ab_build --tree "base=$BASE_TREE" --tree new=. --rounds 5 > "$OUT/ab.txt" 2>&1
 fi
