@@ -10,7 +10,8 @@
 #    and a shard per clip, alternated, at the default --workers (all cores), with build.json's stage timings.
 # Ray is not in the bundle (its wheel alone is over the 64 MiB carry), so the Ray leg is the 2-core box's.
 # 3. the busy cores over time (scripts/cpu_timeline) during default `prep build` runs with torchcodec, so the idle
-#    cores (fork ramp, probe stage, tail) show where the build's wall goes over its CPU / 16.
+#    cores (fork ramp, probe stage, tail) show where the build's wall goes over its CPU / 16; then the parent's
+#    imports (python -X importtime), slowest first.
 # 4. with BASE_TREE=<a checkout of an earlier commit> (e.g. `git archive <commit> prep schemas scripts train | tar x
 #    -C .whl_train/base`, carried): scripts/ab_build, that tree against this one, 5 alternated rounds at all cores.
 # PARTS="1 4" (default "1 2 3 4") runs only those parts: a device call has 600 s, and all four take about that.
@@ -87,6 +88,9 @@ for rep in 1 2 3; do
   tail -1 /tmp/timeline-$rep.txt >> "$OUT/timeline.txt"
 done
 grep t_s /tmp/timeline-3.txt >> "$OUT/timeline.txt"
+# what the ~8 s at one busy core before build() are: the parent's imports, slowest first
+python -X importtime -c "import torch, transformers, torchcodec.decoders, decord, av; from transformers import AutoTokenizer" \
+  2>&1 | sort -t'|' -k2 -n -r | head -25 >> "$OUT/timeline.txt"
 fi
 if part 4 && [ -n "${BASE_TREE:-}" ]; then
   python -m scripts.ab_build --tree "base=$BASE_TREE" --tree new=. --rounds 5 > "$OUT/ab.txt" 2>&1
