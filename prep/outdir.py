@@ -122,10 +122,10 @@ class Discard:
     """--overwrite's deletion of the old build, off the build's path: its files (and the folders of killed earlier
     discards) are renamed into a folder of their own (a rename each, instant) and a thread deletes that folder
     while the new build probes and decodes.
-    Unlinking a build's files costs the kernel time per cached page: 0.08 of a 7.5 s build on the 2-core box,
-    ~0.1 of 1.92 s on the 16-core host (BENCHMARKS.md, Prep, session 19). Leaving the `with` block waits for the
-    thread, and raises what it met as a BuildIOError of stage clean (the folder then stays; the next build sweeps
-    it)."""
+    Unlinking a build's files costs the kernel time per cached page: 0.08 of a 7.5 s build on the 2-core box (the
+    16-core host's setup stage, 0.105 of 1.92 s, is most likely the same; BENCHMARKS.md, Prep, session 19).
+    Leaving the `with` block waits for the thread, and raises what it met as a BuildIOError of stage clean (the
+    folder then stays, and the next build deletes it: discard_folders)."""
 
     def __init__(self, out: Path, files: list[Path]):
         self.folder = tmp_name(out / DISCARD)

@@ -137,7 +137,7 @@ class ShardWriter:
 class _HashingWriter:
     """File wrapper that hashes what tarfile writes, so the sha256 costs no second read, and starts the disk
     writing every WRITEBACK_BYTES (sync_file_range, Linux), so commit()'s fsync waits for the last few MiB
-    instead of the whole tar: 2-core box, 32 shards of 8.4 MB, the commits' wall 0.226 -> 0.031 s a build
+    instead of the whole tar: 2-core box, 32 shards of 8.4 MB, the commits' wall 0.23 -> 0.03 s a build
     (BENCHMARKS.md, Prep, session 19)."""
 
     def __init__(self, f, h, path: Path):

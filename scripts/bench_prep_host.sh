@@ -26,7 +26,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false
   python -c "import torch, decord, av, torchcodec; print('torch', torch.__version__, 'decord', decord.__version__, 'av', av.__version__, 'torchcodec', torchcodec.__version__)"
 } > "$OUT/env.txt" 2>&1
 part() { [[ " ${PARTS:-1 2 3 4} " == *" $1 "* ]]; }
-python -c "from pathlib import Path; from scripts.bench_prep import issue_videos; issue_videos(Path('/tmp/video-ora-bench-videos'), 32)"
+python -c "from pathlib import Path; from scripts.bench_prep import issue_videos
+issue_videos(Path('/tmp/video-ora-bench-videos'), 32)"
 if part 1; then
 for decoder in torchcodec decord; do
   python -m scripts.bench_prep --synth 32 --workers 1 4 16 --repeats 2 --warm-up once --no-markdown \
@@ -89,7 +90,8 @@ for rep in 1 2 3; do
 done
 grep t_s /tmp/timeline-3.txt >> "$OUT/timeline.txt"
 # what the ~8 s at one busy core before build() are: the parent's imports, slowest first
-python -X importtime -c "import torch, transformers, torchcodec.decoders, decord, av; from transformers import AutoTokenizer" \
+python -X importtime -c "import torch, transformers, torchcodec.decoders, decord, av
+from transformers import AutoTokenizer" \
   2>&1 | sort -t'|' -k2 -n -r | head -25 >> "$OUT/timeline.txt"
 fi
 if part 4 && [ -n "${BASE_TREE:-}" ]; then
