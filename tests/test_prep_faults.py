@@ -106,15 +106,19 @@ def test_a_second_build_stops_at_once_naming_the_holder_and_a_dead_holders_lock_
     assert (out / LOCK_FILE).read_text() == ""  # released: the next build has no "dead holder" to take over
 
 
-def test_shard_writers_never_touch_each_others_temp_files(built_shards, tmp_path):
-    """What two builds' workers on one shard did before the lock: clear() unlinked the other's temp tar and
-    commit() published whatever file had the shared temp name."""
-    src = ShardPaths(built_shards, "shard-000000")
-    with tarfile.open(src.tar) as tar:
+def first_sample(shards: Path) -> tuple[ShardSample, list[bytes]]:
+    """The first sample of shard-000000 in `shards` and its frames' JPEG bytes, to write again."""
+    with tarfile.open(ShardPaths(shards, "shard-000000").tar) as tar:
         members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
     key = sorted(members)[0].split(".")[0]
     sample = ShardSample.from_json(json.loads(members[f"{key}.json"]))
-    jpegs = [members[f"{key}.f{i:03d}.jpg"] for i in range(sample.record.num_frames)]
+    return sample, [members[f"{key}.f{i:03d}.jpg"] for i in range(sample.record.num_frames)]
+
+
+def test_shard_writers_never_touch_each_others_temp_files(built_shards, tmp_path):
+    """What two builds' workers on one shard did before the lock: clear() unlinked the other's temp tar and
+    commit() published whatever file had the shared temp name."""
+    sample, jpegs = first_sample(built_shards)
 
     paths = ShardPaths(tmp_path, "shard-000000")
     first = ShardWriter(paths)
@@ -136,12 +140,7 @@ def test_a_shard_writer_starts_the_disk_writing_as_it_goes(built_shards, tmp_pat
     over consecutive ranges of the file, after the bytes reached the kernel; the tar is the same bytes."""
     import prep.shards as shards
 
-    src = ShardPaths(built_shards, "shard-000000")
-    with tarfile.open(src.tar) as tar:
-        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
-    key = sorted(members)[0].split(".")[0]
-    sample = ShardSample.from_json(json.loads(members[f"{key}.json"]))
-    jpegs = [members[f"{key}.f{i:03d}.jpg"] for i in range(sample.record.num_frames)]
+    sample, jpegs = first_sample(built_shards)
     started = []
 
     def record(fd, offset, nbytes):
