@@ -24,9 +24,6 @@ import tempfile
 import time
 from pathlib import Path
 
-STAGES = ("setup", "probe", "plan", "shards", "assemble", "total")
-
-
 def serve(videos: Path, annotations: Path, workers: int, samples_per_shard: int, decoder: str, out: Path) -> None:
     """The helper: a build per line read from stdin, a JSON line per build on stdout."""
     import resource

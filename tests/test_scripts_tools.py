@@ -1,5 +1,6 @@
 """Offline parts of scripts/bench_prep.py and scripts/build_wheelhouse.py (the runs themselves are not CI:
-the bench takes minutes, the wheelhouse needs the package registry)."""
+the bench takes minutes, the wheelhouse needs the package registry), and scripts/cpu_timeline.py and
+scripts/ab_build.py on small inputs."""
 from __future__ import annotations
 
 import json
