@@ -12,8 +12,9 @@
 # 3. the busy cores over time (scripts/cpu_timeline) during default `prep build` runs with torchcodec, so the idle
 #    cores (fork ramp, probe stage, tail) show where the build's wall goes over its CPU / 16; then the parent's
 #    imports (python -X importtime), slowest first.
-# 4. with BASE_TREE=<a checkout of an earlier commit> (e.g. `git archive <commit> prep schemas scripts train | tar x
-#    -C .whl_train/base`, carried): scripts/ab_build, that tree against this one, 5 alternated rounds at all cores.
+# 4. with BASE_TREE=<a checkout of an earlier commit> (e.g. `mkdir -p .whl_train/base && git archive <commit> prep
+#    schemas scripts train | tar x -C .whl_train/base`, carried): scripts/ab_build, that tree against this one, 5
+#    alternated rounds at all cores.
 # PARTS="1 4" (default "1 2 3 4") runs only those parts: a device call has 600 s, and all four take about that.
 # What comes back: env.txt, bench_<decoder>.txt (table + JSON), bench_<decoder>.log (every run), shards.txt,
 # timeline.txt, ab.txt (with BASE_TREE).
