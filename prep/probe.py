@@ -2,7 +2,8 @@
 
 decord is the decoder the build uses, so decord's frame count and average fps are the truth (duration =
 frames / fps, the same rule qwen-vl-utils' decord backend uses). PyAV is the second opinion: it names the
-codec when decord cannot open a file, reads the display rotation, and gives the container duration.
+codec when decord cannot open a file, reads the coded size and the display rotation, and gives the container
+duration.
 
 Cut-off files: decord counts the packets it can demux, so a file cut at a packet boundary is a shorter video;
 one cut inside a packet is rejected (corrupt_video) because that packet, the stream's last, comes out of the
@@ -11,9 +12,12 @@ frame instead, as earlier versions did, cost ~50 of the probe's ~70 ms on a 30 s
 Prep, session 16).
 
 Rotation: decord 0.6 applies the display matrix for multiples of 90 degrees (a portrait phone clip stored
-as 1280x720 with rotation 90 decodes as 720x1280), so width/height here are the DISPLAYED size, taken from
-a decoded frame and cross-checked against PyAV's coded size and rotation. Any other angle is rejected
-(unsupported_rotation): decord would return the frames unrotated.
+as 1280x720 with rotation 90 decodes as 720x1280), so width/height here are the DISPLAYED size: PyAV's coded
+size with its rotation applied. For 90 and 270 degrees decord's first frame is decoded to check that decord
+turns it too; without a quarter turn there is nothing to check, and that decode was half the probe's CPU (27 ->
+13 ms a 640x360 clip, BENCHMARKS.md, Prep, session 20). Any other angle is rejected (unsupported_rotation):
+decord would return the frames unrotated. A stream whose frames do not decode is rejected where the build
+decodes it (decode_error), with the frames it names.
 """
 from __future__ import annotations
 
@@ -118,6 +122,11 @@ def _cut_off(container, stream, frames: int, fps: float) -> str:
     return ""
 
 
+def _last_line(e: Exception) -> str:
+    """decord's errors carry a C++ backtrace: their last line says what failed."""
+    return str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
+
+
 def probe_video(path: str | Path, num_threads: int = 1) -> ProbeResult | ProbeFailure:
     """Probe one file; never raises for a bad file (a bad file is data), only for a code error."""
     import decord
@@ -132,9 +141,8 @@ def probe_video(path: str | Path, num_threads: int = 1) -> ProbeResult | ProbeFa
         reader = decord.VideoReader(p, ctx=decord.cpu(0), num_threads=num_threads)
         frames = len(reader)
         fps = float(reader.get_avg_fps())
-        first = reader[0].shape if frames else None
     except (decord.DECORDError, RuntimeError) as e:
-        message = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
+        message = _last_line(e)
         av_info = _pyav_probe(path)
         if "error" not in av_info:
             if av_info.get("no_video"):
@@ -163,17 +171,26 @@ def probe_video(path: str | Path, num_threads: int = 1) -> ProbeResult | ProbeFa
         return ProbeFailure(path=p, reason="too_few_frames", detail=f"{path.name} has {frames} frame(s); a window needs >= 2")
     if not (math.isfinite(fps) and fps > 0):
         return ProbeFailure(path=p, reason="bad_fps", detail=f"{path.name}: decord reports fps={fps}")
-    height, width = int(first[0]), int(first[1])
     rotation = av_info.get("rotation", 0) % 360
     if rotation % 90:
         return ProbeFailure(path=p, reason="unsupported_rotation",
                             detail=f"{path.name}: display rotation {rotation} degrees is not a multiple of 90")
     coded = (av_info.get("coded_width"), av_info.get("coded_height"))
-    expected = (coded[1], coded[0]) if rotation in (90, 270) else coded
-    if None not in coded and (width, height) != expected:
-        return ProbeFailure(path=p, reason="rotation_not_applied",
-                            detail=f"{path.name}: coded {coded[0]}x{coded[1]} with rotation {rotation} should display "
-                                   f"as {expected[0]}x{expected[1]}, decord decodes {width}x{height}")
+    width, height = (coded[1], coded[0]) if rotation in (90, 270) else coded
+    # decord's first frame: the quarter turn it must apply, or the size PyAV could not tell (no coded size, or
+    # no decoded frame to read the rotation from)
+    if rotation in (90, 270) or None in coded or "decode_error" in av_info:
+        try:
+            decoded = reader[0].shape
+        except (decord.DECORDError, RuntimeError) as e:
+            return ProbeFailure(path=p, reason="corrupt_video",
+                                detail=f"{path.name}: decord cannot decode its first frame: {_last_line(e)}")
+        if None in coded:
+            width, height = int(decoded[1]), int(decoded[0])
+        elif (decoded[1], decoded[0]) != (width, height):
+            return ProbeFailure(path=p, reason="rotation_not_applied",
+                                detail=f"{path.name}: coded {coded[0]}x{coded[1]} with rotation {rotation} should "
+                                       f"display as {width}x{height}, decord decodes {decoded[1]}x{decoded[0]}")
     ratio = max(width, height) / max(1, min(width, height))
     if ratio > MAX_RATIO:
         return ProbeFailure(path=p, reason="extreme_aspect_ratio",

@@ -184,6 +184,38 @@ def test_a_file_ffmpeg_cannot_seek_in_is_read_to_its_end_for_the_cut_off_check()
     assert _cut_off(Unseekable(cut), stream, frames=10, fps=8.0) == "its packet at 1.12 s is cut short (40 bytes left)"
 
 
+@pytest.mark.parametrize("rotation", [0, 90, 180, 270])
+def test_the_probe_gives_the_size_decord_decodes_at_every_quarter_turn(tmp_path, rotation):
+    """Without a quarter turn the displayed size is PyAV's coded size (decord's frame is not decoded); with one,
+    decord's first frame shows that decord turned it."""
+    import decord
+
+    from prep.probe import probe_video
+
+    path = tmp_path / f"r{rotation}.mp4"
+    write_rotated(path, 162, 96, rotation, seconds=1.0)  # an even size no padding hides
+    probe = probe_video(path)
+    assert probe.rotation == rotation
+    assert (probe.height, probe.width, 3) == decord.VideoReader(str(path))[0].shape
+
+
+def test_a_quarter_turn_decord_does_not_apply_is_rejected(tmp_path, monkeypatch):
+    import decord
+
+    from prep.probe import ProbeFailure, probe_video
+
+    class Unturned(decord.VideoReader):  # a decord that ignores the display matrix: the coded size comes out
+        def __getitem__(self, i):
+            return np.zeros((96, 162, 3), np.uint8)
+
+    path = tmp_path / "phone.mp4"
+    write_rotated(path, 162, 96, 90, seconds=1.0)
+    monkeypatch.setattr(decord, "VideoReader", Unturned)
+    failure = probe_video(path)
+    assert isinstance(failure, ProbeFailure) and failure.reason == "rotation_not_applied"
+    assert "should display as 96x162, decord decodes 162x96" in failure.detail
+
+
 def test_no_sample_exits_nonzero_with_message(tmp_path, capsys):
     d = tmp_path / "videos"
     d.mkdir()
