@@ -65,6 +65,7 @@ from schemas.prompt import (
     DEFAULT_QUERY,
     LAYOUTS,
     TokenizedSample,
+    control_tokens_in,
     load_tokenizer,
     special_id,
     tokenize_sample,
@@ -193,6 +194,12 @@ class BuildConfig:
             p.append(f"--prompt-layout must be one of {sorted(LAYOUTS)}, got {self.prompt_layout!r}")
         if self.tokenizer is not None and not (self.tokenizer / "tokenizer.json").is_file():
             p.append(f"--tokenizer {self.tokenizer} has no tokenizer.json")
+        else:  # an annotation's own query is checked with its samples (query_control_token rejects)
+            tokenizer = load_tokenizer(str(self.tokenizer) if self.tokenizer else None)
+            for flag, text in (("--query", self.query), ("--query-template", self.query_template)):
+                if found := control_tokens_in(tokenizer, text):
+                    p.append(f"{flag} writes {', '.join(found)}, which the tokenizer reads as control token(s), not "
+                             f"text: every prompt would change; remove them")
         try:
             self.budget()
         except ValueError as e:
@@ -505,12 +512,12 @@ def _process_file(jobs: list[VideoJob], s: WorkerSettings, tokenizer, pool: Exec
     t0 = time.perf_counter()
     planned = []
     for video in jobs:
-        too_long = _query_over_bound(video.query, tokenizer, s.bound)
+        refusal = _query_refusal(video.query, tokenizer, s.bound)
         for job in video.windows:
-            if too_long:
+            if refusal:
                 w = job.window
-                rejects.append(reject(video.video_id, video.source_path, "over_token_budget",
-                                      f"window {w.index} ({w.start_s:.2f}-{w.end_s:.2f} s): {too_long}", stage="tokens"))
+                rejects.append(reject(video.video_id, video.source_path, refusal[0],
+                                      f"window {w.index} ({w.start_s:.2f}-{w.end_s:.2f} s): {refusal[1]}", stage="tokens"))
                 continue
             try:
                 planned.append((video, job, *plan_window(s.budget, video.probe, job, tokenizer, video.query, s.bound,
@@ -554,13 +561,19 @@ def _process_file(jobs: list[VideoJob], s: WorkerSettings, tokenizer, pool: Exec
     heartbeat(probe.path, progress=(tuple(j.label for j in jobs), len(jobs), done, probe.duration_s * jobs[0].share))
 
 
-def _query_over_bound(query: str, tokenizer, bound: InputBound) -> str:
-    """Why no window with this query can fit the bound ("" when one might): the query alone is over it.
-    Checked once per annotation, so a huge query costs one tokenization, not one per window and attempt."""
+def _query_refusal(query: str, tokenizer, bound: InputBound) -> tuple[str, str] | None:
+    """(reason, detail) when no window can take this query, None when one might: it writes a control token of the
+    tokenizer, or the query alone is over the bound. Checked once per annotation, so a huge query costs one
+    tokenization, not one per window and attempt."""
+    found = control_tokens_in(tokenizer, query)
+    if found:
+        return "query_control_token", (f"the query writes {', '.join(found)}, which the tokenizer reads as control "
+                                       f"token(s), not text: the prompt would change (a turn ended, a video pad "
+                                       f"added); remove them from the query")
     if bound.tokens is None:
-        return ""
+        return None
     n = len(tokenizer(query, add_special_tokens=False, verbose=False)["input_ids"])
-    return f"the query alone has {n} tokens ({len(query)} characters) > {bound}" if n > bound.tokens else ""
+    return ("over_token_budget", f"the query alone has {n} tokens ({len(query)} characters) > {bound}") if n > bound.tokens else None
 
 
 def _timed(items: Iterator, t: Counter, key: str, beat: str) -> Iterator:

@@ -91,6 +91,13 @@ def special_id(tokenizer, token: str) -> int:
     return ids[0]
 
 
+def control_tokens_in(tokenizer, text: str) -> list[str]:
+    """The tokenizer's added tokens (<|im_end|>, <|video_pad|>, ...) written in `text`. Tokenized, each becomes that
+    control token, not its characters, so a query holding one would change the prompt instead of saying something:
+    end the user turn early, open a fake assistant turn, add a video pad no frame fills."""
+    return sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.content in text})
+
+
 def check_layout_name(layout: str) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"unknown prompt layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
