@@ -127,14 +127,23 @@ def prompt_text(tokenizer, query: str, group_times_s: list[float], tokens_per_gr
 def tokenize_sample(
     tokenizer, *, query: str, answer: str | None, group_times_s: list[float], tokens_per_group: int, layout: str
 ) -> TokenizedSample:
-    """input_ids for training (answer given) or generation (answer None: prompt only)."""
-    prompt = tokenizer(prompt_text(tokenizer, query, group_times_s, tokens_per_group, layout=layout),
-                       add_special_tokens=False)
-    ids = list(prompt["input_ids"])
+    """input_ids for training (answer given) or generation (answer None: prompt only).
+
+    The prompt text is tokenized with one <|video_pad|> per group, repeated tokens_per_group times in the ids: the
+    tokenizer splits an added token off before its model sees the text, so these are the ids of the whole text
+    (tests/test_prompt_parity.py: the processor's), and a window of 16 groups of 220 pads costs ~0.3 ms instead
+    of 3.5 (BENCHMARKS.md, Prep, session 20)."""
+    pad = special_id(tokenizer, VIDEO_PAD)
+    ids: list[int] = []
+    for i in tokenizer(prompt_text(tokenizer, query, group_times_s, 1, layout=layout), add_special_tokens=False)["input_ids"]:
+        if i == pad:
+            ids += [pad] * tokens_per_group
+        else:
+            ids.append(i)
     n_prompt = len(ids)
     if answer is not None:
         ids += tokenizer(answer + "<|im_end|>", add_special_tokens=False)["input_ids"]
-    visual = ids.count(special_id(tokenizer, VIDEO_PAD))
+    visual = ids.count(pad)
     expected = tokens_per_group * len(group_times_s)
     if visual != expected:
         raise ValueError(f"tokenizer produced {visual} video pad tokens, expected {expected}")
