@@ -974,7 +974,7 @@ def _probe_all(paths: list[str], config: BuildConfig, pool: Pool) -> list[ProbeR
 
 def _run_shards(tasks: list[ShardTask], config: BuildConfig, pool: Pool, streams: int) -> dict[str, ShardOutput]:
     """Process shards in the workers with a progress bar fed per video; returns each shard's output (name ->
-    ShardOutput), read here as its worker reports it. A file whose decode stalls is dropped from its shard
+    ShardOutput), read here as its worker reports it (none for a --part build). A file whose decode stalls is dropped from its shard
     (decode_timeout rejects) and the shard is rebuilt without it."""
     from tqdm import tqdm
 
@@ -1001,8 +1001,9 @@ def _run_shards(tasks: list[ShardTask], config: BuildConfig, pool: Pool, streams
             for i, stats in results:
                 if config.ray is not None:  # no per-video beats cross the cluster: the bar moves per shard
                     update(((tasks[i].paths.name,), stats["videos"], stats.get("windows", 0), stats.get("source_s", 0.0)))
-                with io_stage("assemble", tasks[i].paths.samples):
-                    built[tasks[i].paths.name] = read_shard(tasks[i].paths, stats)
+                if config.part is None:  # a --part build assembles nothing: --assemble reads every shard
+                    with io_stage("assemble", tasks[i].paths.samples):
+                        built[tasks[i].paths.name] = read_shard(tasks[i].paths, stats)
     finally:
         bar.close()
     return built
