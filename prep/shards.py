@@ -103,8 +103,10 @@ class ShardWriter:
         self.tmp = tmp_name(paths.tar)
         self._file = open(self.tmp, "xb")  # exclusive: a name collision fails instead of sharing a file
         self._hash = hashlib.sha256()
+        # copybufsize: a frame (~140 KB at 640x352) goes out in one write, not tarfile's 16 KiB pieces (each a
+        # hash update, a tell and a write call: ~21,000 a build of 32 shards, ~6,000 now)
         self._tar = tarfile.open(fileobj=_HashingWriter(self._file, self._hash, self.tmp), mode="w",
-                                 format=tarfile.USTAR_FORMAT)
+                                 format=tarfile.USTAR_FORMAT, copybufsize=1 << 20)
         self.samples = 0
 
     def add(self, sample: ShardSample, jpegs: list[bytes]) -> None:
