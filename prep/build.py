@@ -573,7 +573,9 @@ def _query_refusal(query: str, tokenizer, bound: InputBound) -> tuple[str, str] 
     if bound.tokens is None:
         return None
     n = len(tokenizer(query, add_special_tokens=False, verbose=False)["input_ids"])
-    return ("over_token_budget", f"the query alone has {n} tokens ({len(query)} characters) > {bound}") if n > bound.tokens else None
+    if n <= bound.tokens:
+        return None
+    return "over_token_budget", f"the query alone has {n} tokens ({len(query)} characters) > {bound}"
 
 
 def _timed(items: Iterator, t: Counter, key: str, beat: str) -> Iterator:
@@ -974,8 +976,8 @@ def _probe_all(paths: list[str], config: BuildConfig, pool: Pool) -> list[ProbeR
 
 def _run_shards(tasks: list[ShardTask], config: BuildConfig, pool: Pool, streams: int) -> dict[str, ShardOutput]:
     """Process shards in the workers with a progress bar fed per video; returns each shard's output (name ->
-    ShardOutput), read here as its worker reports it (none for a --part build). A file whose decode stalls is dropped from its shard
-    (decode_timeout rejects) and the shard is rebuilt without it."""
+    ShardOutput), read here as its worker reports it (none for a --part build). A file whose decode stalls is
+    dropped from its shard (decode_timeout rejects) and the shard is rebuilt without it."""
     from tqdm import tqdm
 
     tqdm.monitor_interval = 0  # no monitor thread: the watchdog forks replacement workers from this process

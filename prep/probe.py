@@ -15,7 +15,7 @@ Rotation: decord 0.6 applies the display matrix for multiples of 90 degrees (a p
 as 1280x720 with rotation 90 decodes as 720x1280), so width/height here are the DISPLAYED size: PyAV's coded
 size with its rotation applied. For 90 and 270 degrees decord's first frame is decoded to check that decord
 turns it too; without a quarter turn there is nothing to check, and that decode was half the probe's CPU (27 ->
-13 ms a 640x360 clip, BENCHMARKS.md, Prep, session 20). Any other angle is rejected (unsupported_rotation):
+12 ms CPU a 640x360 clip, BENCHMARKS.md, Prep, session 20). Any other angle is rejected (unsupported_rotation):
 decord would return the frames unrotated. A stream whose frames do not decode is rejected where the build
 decodes it (decode_error), with the frames it names.
 """

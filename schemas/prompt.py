@@ -135,7 +135,8 @@ def tokenize_sample(
     of 3.5 (BENCHMARKS.md, Prep, session 20)."""
     pad = special_id(tokenizer, VIDEO_PAD)
     ids: list[int] = []
-    for i in tokenizer(prompt_text(tokenizer, query, group_times_s, 1, layout=layout), add_special_tokens=False)["input_ids"]:
+    text = prompt_text(tokenizer, query, group_times_s, 1, layout=layout)
+    for i in tokenizer(text, add_special_tokens=False)["input_ids"]:
         if i == pad:
             ids += [pad] * tokens_per_group
         else:
