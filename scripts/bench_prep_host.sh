@@ -14,10 +14,10 @@
 #    imports (python -X importtime), slowest first.
 # 4. with BASE_TREE=<a checkout of an earlier commit> (e.g. `mkdir -p .whl_train/base && git archive <commit> prep
 #    schemas scripts train | tar x -C .whl_train/base`, carried): scripts/ab_build, that tree against this one, 5
-#    alternated rounds at all cores.
+#    alternated rounds at all cores, once per decoder.
 # PARTS="1 4" (default "1 2 3 4") runs only those parts: a device call has 600 s, and all four take about that.
 # What comes back: env.txt, bench_<decoder>.txt (table + JSON), bench_<decoder>.log (every run), shards.txt,
-# timeline.txt, ab.txt (with BASE_TREE).
+# timeline.txt, ab_<decoder>.txt (with BASE_TREE).
 set -u
 OUT=${OUT:-/tmp/bench_prep_host}
 mkdir -p "$OUT"
@@ -96,5 +96,8 @@ from transformers import AutoTokenizer" \
   2>&1 | sort -t'|' -k2 -n -r | head -25 >> "$OUT/timeline.txt"
 fi
 if part 4 && [ -n "${BASE_TREE:-}" ]; then
-  python -m scripts.ab_build --tree "base=$BASE_TREE" --tree new=. --rounds 5 > "$OUT/ab.txt" 2>&1
+  for decoder in torchcodec decord; do
+    python -m scripts.ab_build --tree "base=$BASE_TREE" --tree new=. --rounds 5 --videos "$VIDEOS" \
+      --decoder "$decoder" > "$OUT/ab_$decoder.txt" 2>&1
+  done
 fi
