@@ -399,7 +399,11 @@ def sample_key(video_id: str, window_index: int) -> str:
 def probe_one(path: str) -> ProbeResult | ProbeFailure:
     """The probe as a worker task (the watchdog bounds it like a decode)."""
     heartbeat(path)
-    return probe_video(path)
+    try:
+        return probe_video(path)
+    except Exception as e:  # a bad file is a ProbeFailure; this is a code error: it stops the build, named
+        e.add_note(f"prep build: probing {path}")
+        raise
 
 
 def process_shard(task: ShardTask) -> dict:
@@ -423,7 +427,12 @@ def process_shard(task: ShardTask) -> dict:
                 if file_jobs[0].probe.path in task.timed_out:
                     _reject_timed_out(file_jobs, s.decode_timeout, rejects, t)
                     continue
-                _process_file(file_jobs, s, tokenizer, pool, writer, records, rejects, keys, t)
+                try:
+                    _process_file(file_jobs, s, tokenizer, pool, writer, records, rejects, keys, t)
+                except Exception as e:  # a bad file is a reject; this is a code error: it stops the build, named
+                    e.add_note(f"prep build: in {paths.name}, on {file_jobs[0].probe.path} "
+                               f"(annotations {', '.join(j.label for j in file_jobs)})")
+                    raise
         with io_stage("write sidecars", paths.samples):
             write_records(paths.samples, records, SampleRecord)
             write_records(paths.rejects, rejects, RejectRecord)

@@ -4,6 +4,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -258,6 +259,31 @@ def test_decode_failure_mid_video_rejects_the_remaining_windows(synth_videos_dir
     kept = [r.sample_id for r in read_records(tmp_path / "out" / "manifest.parquet", SampleRecord) if r.video_id == "vid_b"]
     assert kept == ["vid_b/w0000"]
     assert len(tar_keys(tmp_path / "out")) == 10
+
+
+def test_a_code_error_in_a_worker_stops_the_build_naming_the_shard_and_the_file(synth_videos_dir, tmp_path,
+                                                                                monkeypatch):
+    """A bad file is a reject; an exception the code did not expect stops the build, and the traceback's last
+    lines say which shard and which file (the worker's own traceback names neither)."""
+    import prep.build as pb
+
+    real = pb.plan_window
+
+    def broken(budget, probe, *args, **kwargs):
+        if "vid_b" in probe.path:
+            raise RuntimeError("simulated bug")
+        return real(budget, probe, *args, **kwargs)
+
+    monkeypatch.setattr(pb, "plan_window", broken)
+    with pytest.raises(RuntimeError, match="simulated bug") as e:
+        build(BuildConfig(videos=synth_videos_dir, out=tmp_path / "out", **BUILT_SHARDS_ARGS))
+    (note,) = e.value.__notes__
+    assert re.fullmatch(r"prep build: in shard-\d{6}, on .*/vid_b\.mp4 \(annotations vid_b\)", note), note
+
+    monkeypatch.setattr(pb, "probe_video", lambda path: 1 / 0)
+    with pytest.raises(ZeroDivisionError) as e:
+        build(BuildConfig(videos=synth_videos_dir, out=tmp_path / "out2", **BUILT_SHARDS_ARGS))
+    assert re.fullmatch(r"prep build: probing .*/vid_\w\.mp4", e.value.__notes__[0])
 
 
 def test_shards_built_several_at_once_per_worker_equal_the_sequential_ones(synth_videos_dir, tmp_path, monkeypatch):
