@@ -194,7 +194,7 @@ def test_the_probe_gives_the_size_decord_decodes_at_every_quarter_turn(tmp_path,
     from prep.probe import probe_video
 
     path = tmp_path / f"r{rotation}.mp4"
-    write_rotated(path, 162, 96, rotation, seconds=1.0)  # an even size no padding hides
+    write_rotated(path, 162, 96, rotation, seconds=1.0)  # 162: not a multiple of 16, so H.264 pads it to 176
     probe = probe_video(path)
     assert probe.rotation == rotation
     assert (probe.height, probe.width, 3) == decord.VideoReader(str(path))[0].shape
