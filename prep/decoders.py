@@ -88,9 +88,14 @@ def available(backend: str) -> str | None:
         else:
             return f"unknown decoder {backend!r}; one of {BACKENDS}"
     except (ImportError, OSError, RuntimeError) as e:
-        last = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
-        return f"--decoder {backend} cannot load here (pip install {PACKAGE[backend]}; {last})"
+        return f"--decoder {backend} cannot load here (pip install {PACKAGE[backend]}; {last_line(e, 200)})"
     return None
+
+
+def last_line(e: BaseException, limit: int = 300) -> str:
+    """An error's last line, at most `limit` characters: decord's errors and failed imports of native libraries
+    carry a backtrace or a loader's story before it, the last line says what failed."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[-1][:limit]
 
 
 def _short(e: BaseException) -> str:

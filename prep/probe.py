@@ -27,6 +27,7 @@ from pathlib import Path
 
 from prep import faults
 from prep.budget import MAX_RATIO
+from prep.decoders import last_line
 
 STAGE = "probe"
 
@@ -122,11 +123,6 @@ def _cut_off(container, stream, frames: int, fps: float) -> str:
     return ""
 
 
-def _last_line(e: Exception) -> str:
-    """decord's errors carry a C++ backtrace: their last line says what failed."""
-    return str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
-
-
 def probe_video(path: str | Path, num_threads: int = 1) -> ProbeResult | ProbeFailure:
     """Probe one file; never raises for a bad file (a bad file is data), only for a code error."""
     import decord
@@ -142,7 +138,7 @@ def probe_video(path: str | Path, num_threads: int = 1) -> ProbeResult | ProbeFa
         frames = len(reader)
         fps = float(reader.get_avg_fps())
     except (decord.DECORDError, RuntimeError) as e:
-        message = _last_line(e)
+        message = last_line(e)
         av_info = _pyav_probe(path)
         if "error" not in av_info:
             if av_info.get("no_video"):
@@ -184,7 +180,7 @@ def probe_video(path: str | Path, num_threads: int = 1) -> ProbeResult | ProbeFa
             decoded = reader[0].shape
         except (decord.DECORDError, RuntimeError) as e:
             return ProbeFailure(path=p, reason="corrupt_video",
-                                detail=f"{path.name}: decord cannot decode its first frame: {_last_line(e)}")
+                                detail=f"{path.name}: decord cannot decode its first frame: {last_line(e)}")
         if None in coded:
             width, height = int(decoded[1]), int(decoded[0])
         elif (decoded[1], decoded[0]) != (width, height):
