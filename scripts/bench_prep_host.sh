@@ -16,8 +16,8 @@
 #    schemas scripts train | tar x -C .whl_train/base`, carried): scripts/ab_build, that tree against this one, 5
 #    alternated rounds at all cores, once per decoder.
 # PARTS="1 4" (default "1 2 3 4") runs only those parts: a device call has 600 s, and all four take about that.
-# What comes back: env.txt, bench_<decoder>.txt (table + JSON), bench_<decoder>.log (every run), shards.txt,
-# timeline.txt, ab_<decoder>.txt (with BASE_TREE).
+# What comes back (8 files, the device's limit): env.txt, bench_<decoder>.txt (table + JSON), bench.log (every run of
+# both decoders), shards.txt, timeline.txt, ab_<decoder>.txt (with BASE_TREE).
 set -u
 OUT=${OUT:-/tmp/bench_prep_host}
 mkdir -p "$OUT"
@@ -32,7 +32,7 @@ issue_videos(Path('/tmp/video-ora-bench-videos'), 32)"
 if part 1; then
 for decoder in torchcodec decord; do
   python -m scripts.bench_prep --synth 32 --workers 1 4 16 --repeats 2 --warm-up once --no-markdown \
-    --decoder "$decoder" > "$OUT/bench_$decoder.txt" 2> "$OUT/bench_$decoder.log"
+    --decoder "$decoder" > "$OUT/bench_$decoder.txt" 2>> "$OUT/bench.log"
 done
 fi
 if part 2; then
