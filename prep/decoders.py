@@ -121,9 +121,14 @@ class _Decord:
 
     def get_batch(self, indices: Sequence[int]) -> np.ndarray:
         try:
-            return self._reader.get_batch(list(indices)).asnumpy()
+            batch = self._reader.get_batch(list(indices))
         except self._errors as e:
             raise DecodeError(f"decord failed on frames {indices[0]}..{indices[-1]} of {self.path}: {_short(e)}") from e
+        # decord's own buffer, handed over through DLPack: asnumpy() copied every batch into a fresh array (~2% of a
+        # decord build's CPU with the first touch of that array's pages; BENCHMARKS.md, Prep, session 21)
+        from torch.utils.dlpack import from_dlpack
+
+        return from_dlpack(batch.to_dlpack()).numpy()
 
     def close(self) -> None:
         self._reader = None
