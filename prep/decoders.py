@@ -124,8 +124,8 @@ class _Decord:
             batch = self._reader.get_batch(list(indices))
         except self._errors as e:
             raise DecodeError(f"decord failed on frames {indices[0]}..{indices[-1]} of {self.path}: {_short(e)}") from e
-        # decord's own buffer, handed over through DLPack: asnumpy() copied every batch into a fresh array (~2% of a
-        # decord build's CPU with the first touch of that array's pages; BENCHMARKS.md, Prep, session 21)
+        # decord's own buffer, handed over through DLPack: asnumpy() copied every batch into a fresh array (with the
+        # first touch of its pages, 4% of a decord build's CPU on the 2-core box; BENCHMARKS.md, Prep, session 21)
         from torch.utils.dlpack import from_dlpack
 
         return from_dlpack(batch.to_dlpack()).numpy()
