@@ -9,8 +9,11 @@ imports and the first build are not timed): a request runs prep.build.build() in
 one untimed round, so a drifting machine load falls on every side alike; the decord floor
 (scripts.bench_prep.leg_floor over the same frames) takes its turn too. Per build: wall and CPU seconds (the
 helper and every process it forked), build.json's stage timings and the shard commits' summed wall (the tar's
-flush, fsync and rename: time a worker's cores wait on the disk). Printed: one JSON line per build, then the
-medians of each side and each side's wall relative to the first tree and to the floor.
+flush, fsync and rename: time a worker's cores wait on the disk); per run, what the whole machine did meanwhile
+(scripts.cpu_timeline.MachineLoad: its CPU seconds, the hypervisor's steal, the cores' clock). Printed: one JSON
+line per run, then the medians of each side, each side's wall relative to the first tree and to the floor's median,
+and paired_vs_floor: the median over rounds of the side's wall over the floor's in the same round, which a host
+whose speed drifts during the comparison moves least.
 """
 from __future__ import annotations
 
@@ -87,6 +90,7 @@ class Side:
 def compare(args: argparse.Namespace) -> dict:
     from schemas.manifest import SampleRecord, read_records
     from scripts.bench_prep import LegHelper, cores, issue_videos, write_annotations
+    from scripts.cpu_timeline import MachineLoad
 
     args.workers = args.workers or cores()
     work = Path(tempfile.mkdtemp(prefix="ab-build-"))
@@ -96,6 +100,7 @@ def compare(args: argparse.Namespace) -> dict:
     sides = [Side(name, Path(path).resolve(), args, videos, annotations, work)
              for name, path in (t.split("=", 1) for t in args.tree)]
     floor = LegHelper("floor")
+    load = MachineLoad()
     runs: dict[str, list[dict]] = {}
     per_video = None
     try:
@@ -103,14 +108,17 @@ def compare(args: argparse.Namespace) -> dict:
         for r in range(args.rounds + 1):
             order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
+                if name == "floor" and per_video is None:
+                    continue
+                load.start()
                 if name == "floor":
-                    if per_video is None:
-                        continue
                     t = time.perf_counter()
                     _, cpu = floor(per_video, args.workers)
                     row = {"wall_s": round(time.perf_counter() - t, 3), "cpu_s": round(cpu, 2)}
                 else:
                     row = next(s for s in sides if s.name == name).run()
+                row |= load.stop()
+                if name != "floor":
                     if per_video is None:  # the frames every video needs, from the first build's manifest
                         union: dict[str, set[int]] = {}
                         for rec in read_records(work / name / "manifest.parquet", SampleRecord):
@@ -119,12 +127,15 @@ def compare(args: argparse.Namespace) -> dict:
                 print(json.dumps({"side": name, "round": r, **row}), flush=True)
                 if r:  # round 0 is untimed
                     runs.setdefault(name, []).append(row)
+            if r:  # each side against the floor of its own round: a host whose speed drifts moves both
+                for name in names[:-1]:
+                    runs[name][-1]["paired_vs_floor"] = round(runs[name][-1]["wall_s"] / runs["floor"][-1]["wall_s"], 3)
     finally:
         for s in sides:
             s.close()
         floor.close()
-    medians = {name: {k: round(statistics.median(row[k] for row in runs[name]), 4) for k in runs[name][0]}
-               for name in names}
+    medians = {name: {k: round(statistics.median(row[k] for row in runs[name]), 4) for k in runs[name][0]
+                      if all(row.get(k) is not None for row in runs[name])} for name in names}
     first = sides[0].name
     for name, m in medians.items():
         m["vs_" + first] = round(m["wall_s"] / medians[first]["wall_s"], 3)
@@ -137,8 +148,8 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m scripts.ab_build", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tree", action="append", required=True, metavar="NAME=PATH",
-                    help="a source tree to build with (its prep/ and schemas/); give two or more, the first is the "
-                         "reference")
+                    help="a source tree to build with (its prep/ and schemas/); the first is the reference. One "
+                         "tree measures the build against the floor alone")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--videos", type=Path, help="a directory of videos (one annotation per video, no segments)")
     src.add_argument("--synth", type=int, default=32, help="N of issue 10's random-texture clips (default 32)")

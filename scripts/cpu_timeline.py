@@ -15,11 +15,40 @@ import sys
 import time
 
 
-def _busy_idle() -> tuple[int, int]:
+def _ticks() -> list[int]:
     with open("/proc/stat") as f:
-        ticks = [int(x) for x in f.readline().split()[1:]]
+        return [int(x) for x in f.readline().split()[1:]]  # user nice system idle iowait irq softirq steal ...
+
+
+def _busy_idle() -> tuple[int, int]:
+    ticks = _ticks()
     idle = ticks[3] + ticks[4]  # idle + iowait
     return sum(ticks[:8]) - idle, idle  # user..steal; guest time is already inside user
+
+
+class MachineLoad:
+    """The whole machine's CPU seconds and steal between start() and stop(): what a timed leg shared its cores
+    with. machine_cpu_s minus the leg's own CPU seconds is other processes' work; steal_pct is the share of the
+    machine's time the hypervisor gave to other guests (a VM's cores running slower than they look)."""
+
+    def start(self) -> None:
+        self._t0 = _ticks()
+
+    def stop(self) -> dict:
+        d = [b - a for a, b in zip(self._t0, _ticks())]
+        tick, total = os.sysconf("SC_CLK_TCK"), sum(d[:8]) or 1
+        return {"machine_cpu_s": round((total - d[3] - d[4]) / tick, 2), "steal_pct": round(100 * d[7] / total, 2),
+                "mhz": _mean_mhz()}
+
+
+def _mean_mhz() -> float | None:
+    """The cores' mean clock now, as /proc/cpuinfo reports it (a VM may report its nominal clock only)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            mhz = [float(line.split(":")[1]) for line in f if line.startswith("cpu MHz")]
+    except OSError:
+        return None
+    return round(sum(mhz) / len(mhz)) if mhz else None
 
 
 def main(argv: list[str] | None = None) -> int:

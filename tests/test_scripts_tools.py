@@ -4,6 +4,7 @@ scripts/ab_build.py on small inputs."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import zipfile
@@ -119,3 +120,8 @@ def test_ab_build_alternates_the_trees_and_the_floor_and_reports_every_stage(syn
     for side in ("a", "b"):
         assert all(medians[side][k] > 0 for k in ("wall_s", "cpu_s", "probe", "shards", "total", "commits_s"))
         assert medians[side]["total"] <= medians[side]["wall_s"]
+        wall = {(x["side"], x["round"]): x["wall_s"] for x in rows}  # each round's build over that round's floor
+        paired = statistics.median(round(wall[side, r] / wall["floor", r], 3) for r in (1, 2))
+        assert medians[side]["paired_vs_floor"] == round(paired, 4)
+    for row in rows:  # the machine's CPU during a run holds at least the run's own
+        assert row["machine_cpu_s"] >= 0.8 * row["cpu_s"] and 0 <= row["steal_pct"] < 100
