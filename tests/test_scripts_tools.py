@@ -125,3 +125,19 @@ def test_ab_build_alternates_the_trees_and_the_floor_and_reports_every_stage(syn
         assert medians[side]["paired_vs_floor"] == round(paired, 4)
     for row in rows:  # the machine's CPU during a run holds at least the run's own
         assert row["machine_cpu_s"] >= 0.8 * row["cpu_s"] and 0 <= row["steal_pct"] < 100
+
+
+def test_frame_costs_prices_decode_resize_and_jpeg_per_sampled_frame(synth_videos_dir):
+    """Every decoder asked is timed over the same sampled frames, and the headline ratio is resize + JPEG over
+    each decoder's own decode."""
+    from scripts.frame_costs import measure, windows_of
+
+    clip = sorted(synth_videos_dir.glob("*.mp4"))[0]
+    windows = windows_of(clip)
+    assert windows and all(w == sorted(set(w)) for w in windows)
+    assert all(b[0] > a[-1] for a, b in zip(windows, windows[1:]))  # consecutive windows, in time order
+    res = measure(synth_videos_dir, clips=1, rounds=1, decoders=["decord", "pyav"], size=(64, 96), quality=90)
+    assert res["sampled_frames"] == sum(len(w) for w in windows) and set(res["decode_ms"]) == {"decord", "pyav"}
+    for d, ms in res["decode_ms"].items():
+        assert ms > 0 and res["runs"]["decode_ms"][d] == [ms]
+        assert res["resize_jpeg_over_decode"][d] == round((res["resize_ms"] + res["jpeg_ms"]) / ms, 3)
