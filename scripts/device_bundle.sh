@@ -20,8 +20,9 @@
 #
 # BUNDLE=prep-ray: the prep bench's packages and Ray instead of the training ones (both together are over the 64 MiB
 # carry): Ray's core only (its raylet, GCS and _raylet.so; not its jars, dashboard client or libraries: rllib, serve,
-# train, tune, llm, data, air, workflow), ~28 MiB of the bundle; no torchcodec, to stay under the carry. `ray.init` and tests/test_prep_ray.py pass with that
-# cut on the 2-core box. Unpack it the same way and run `python -m scripts.bench_prep ... --ray`.
+# train, tune, llm, data, air, workflow), ~28 of the bundle's 59 MiB; no torchcodec, to stay under the carry.
+# `ray.init` and tests/test_prep_ray.py pass with that cut on the 2-core box. Unpack it the same way (its name is
+# site_prep_ray.tar.xz) and run `python -m scripts.bench_prep ... --ray`.
 set -euo pipefail
 OUT=${1:-.whl_train}
 PY=${PYTHON:-python3}
@@ -34,9 +35,9 @@ if [ "$BUNDLE" = prep-ray ]; then  # no torchcodec (7 MiB): the Ray leg is measu
             referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0 msgpack==1.2.4 protobuf==7.36.2)
     NAME=site_prep_ray.tar.xz
 else
-    WHEELS=("${PREP_WHEELS[@]}" torchcodec==0.17.0 liger-kernel==0.8.5 hjson==3.1.0 ninja==1.13.2 pydantic==2.14.4 pydantic-core==2.50.5
-            annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 webdataset==1.0.2
-            braceexpand==0.1.7)
+    WHEELS=("${PREP_WHEELS[@]}" torchcodec==0.17.0 liger-kernel==0.8.5 hjson==3.1.0 ninja==1.13.2 pydantic==2.14.4
+            pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
+            webdataset==1.0.2 braceexpand==0.1.7)
     NAME=site.tar.xz
 fi
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64

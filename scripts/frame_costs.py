@@ -43,9 +43,9 @@ def windows_of(path: Path, window_s: float = 16.0, fps: float = 2.0) -> list[lis
 
 
 def measure(videos: Path, clips: int, rounds: int, decoders: list[str], size: tuple[int, int], quality: int) -> dict:
-    from prep.decode import decode_windows, encode_frame, keep_freed_buffers, resize_frame
-
     import torch
+
+    from prep.decode import decode_windows, encode_frame, keep_freed_buffers, resize_frame
 
     keep_freed_buffers()  # as in a build's workers: freed frame buffers stay in the process,
     torch.set_num_threads(1)  # and the resize runs on one thread (prep.build._one_torch_thread)
