@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     verb, rest = picked
     name = VERBS[verb][0]
     try:
-        with loading():  # the verb's modules import torch: collected only at exit, which freezing skips
+        with loading():  # the verb's modules (pyarrow, numpy, ...): collected only at exit, which freezing skips
             module = importlib.import_module(name)
     except ModuleNotFoundError as e:
         if e.name != name:  # a missing dependency inside the verb is a real error

@@ -14,8 +14,6 @@ import dataclasses
 import math
 import os
 
-import torch
-
 FRAME_FACTOR = 2  # temporal patch size: frames per temporal group
 SPATIAL_MERGE = 2  # 2x2 patches become one LLM token
 MAX_RATIO = 200
@@ -125,7 +123,10 @@ def num_frames(budget: VideoBudget, frame_count: int, fps: float) -> int:
 
 
 def sample_indices(first: int, last: int, n: int) -> list[int]:
-    """n evenly spaced frame numbers from first to last inclusive: qwen-vl-utils' torch.linspace().round()."""
+    """n evenly spaced frame numbers from first to last inclusive: qwen-vl-utils' torch.linspace().round() (torch's
+    float32 steps decide the ties). Imported here: `prep build --help` and `prep inspect` need no torch (1 s)."""
+    import torch
+
     return torch.linspace(first, last, n).round().long().tolist()
 
 

@@ -471,9 +471,12 @@ def warm_before_fork(tokenizer: str | None, layout: str) -> None:
     tokenizer, compiling its chat template, pyarrow's first from_pylist (imports pandas, 0.5 s), importing the
     probe's decord and PyAV (a forked process's first probe costs ~190 ms of CPU when it imports av itself, ~60 ms
     when the parent did: 2-core box, BENCHMARKS.md, Prep, session 16). Nothing here starts a
-    thread (torch's resize is warmed in the workers: its thread pool must not exist before a fork)."""
+    thread (torch's resize is warmed in the workers: its thread pool must not exist before a fork). torch itself is
+    imported here, once for every worker (~1 s of CPU each on the 2-core box otherwise): the modules that use it
+    import it where they call it, so that `--help`, `prep inspect` and the parent's planning do not pay for it."""
     import av  # noqa: F401
     import decord  # noqa: F401
+    import torch  # noqa: F401
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as in the build's own process (forks follow)
     tok = load_tokenizer(tokenizer)

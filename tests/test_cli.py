@@ -50,3 +50,24 @@ def test_exit_codes_and_unknown_verbs(tmp_path, capsys, monkeypatch):
     assert "run.json not found" in capsys.readouterr().err
     assert cli.main(["nosuch"]) == 2
     assert "unknown verb 'nosuch'" in capsys.readouterr().err
+
+
+def test_prep_build_help_imports_no_torch_and_the_build_parent_imports_it_once_for_its_workers():
+    """`--help` answers without torch (1 s); a build's parent imports it before it forks (warm_before_fork), so
+    no worker imports it again."""
+    import subprocess
+
+    code = (
+        "import contextlib, io, sys\n"
+        "from prep.__main__ import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):\n"
+        "    main(['build', '--help'])\n"
+        "assert '--decoder' in out.getvalue() and 'torch' not in sys.modules, sorted(sys.modules)\n"
+        "from prep.build import warm_before_fork\n"
+        "from schemas.prompt import DEFAULT_LAYOUT\n"
+        "warm_before_fork(None, DEFAULT_LAYOUT)\n"
+        "print(' '.join(m for m in ('torch', 'decord', 'av') if m in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["torch", "decord", "av"]
