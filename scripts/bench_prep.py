@@ -257,7 +257,11 @@ def leg_fetch(windows: list[tuple[str, float, float]], budget: dict, workers: in
 
 def leg_floor(per_video: dict[str, list[int]], workers: int) -> int:
     """The build's decode parallelism with nothing else: as many videos at once as its workers x streams, each
-    with a stream's decoder threads (in processes: the floor pays no GIL)."""
+    with a stream's decoder threads (in processes: the floor pays no GIL). Its processes fork from a helper holding
+    torch, as a build's fork from a parent holding it (warm_before_fork) and as every floor measured since session 4
+    did: without it each would import torch in `_set_threads` (~2 CPU s more a run on the 2-core box)."""
+    import torch  # noqa: F401
+
     from prep.build import worker_threads
 
     split = worker_threads(workers, len(per_video))
