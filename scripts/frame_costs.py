@@ -45,11 +45,12 @@ def windows_of(path: Path, window_s: float = 16.0, fps: float = 2.0) -> list[lis
 def measure(videos: Path, clips: int, rounds: int, decoders: list[str], size: tuple[int, int], quality: int) -> dict:
     import torch
 
+    from prep.annotations import find_videos
     from prep.decode import decode_windows, encode_frame, keep_freed_buffers, resize_frame
 
     keep_freed_buffers()  # as in a build's workers: freed frame buffers stay in the process,
     torch.set_num_threads(1)  # and the resize runs on one thread (prep.build._one_torch_thread)
-    paths = sorted(p for p in videos.iterdir() if p.suffix in (".mp4", ".mkv", ".mov", ".webm"))[:clips]
+    paths = [videos / rel for rel in find_videos(videos)][:clips]  # the build's own listing, in its order
     if not paths:
         raise SystemExit(f"frame_costs: no videos in {videos}")
     plans = {p: windows_of(p) for p in paths}
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m scripts.frame_costs", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--videos", type=Path, required=True, help="a directory of clips (e.g. the bench's issue-32)")
-    ap.add_argument("--clips", type=int, default=4, help="how many of its clips, in name order (default 4)")
+    ap.add_argument("--clips", type=int, default=4, help="how many of its clips, in path order (default 4)")
     ap.add_argument("--rounds", type=int, default=4, help="timed rounds after one untimed round (default 4)")
     ap.add_argument("--decoders", nargs="+", default=["decord", "torchcodec"], choices=BACKENDS)
     ap.add_argument("--size", type=int, nargs=2, default=[352, 640], metavar=("HEIGHT", "WIDTH"),
