@@ -33,7 +33,7 @@ from prep import answers as answers_mod
 from prep.annotations import check_segments, load_annotations
 from prep.budget import FPS_MAX_FRAMES, FPS_MIN_FRAMES, PATCH_SIZE, FramePlan, VideoBudget, group_times, plan_frames
 from prep.decode import RESIZE, DecodeError, decode_windows, encode_windows, keep_freed_buffers, read_ahead
-from prep.decoders import BACKENDS, DECORD_EXACT_CODECS, DEFAULT_BACKEND, EXACT_FALLBACK, backend_for
+from prep.decoders import AUTO, AUTO_ORDER, BACKENDS, DECORD_EXACT_CODECS, DEFAULT_BACKEND, EXACT_FALLBACK, backend_for, resolve
 from prep.decoders import available as decoder_available
 from prep.outdir import (PLAN_FILE, BuildIOError, BuildLock, BuildLocked, Discard, discard_folders, io_stage,
                          our_files, part_lock_name, sweep_temps, tmp_name)
@@ -118,7 +118,7 @@ class BuildConfig:
     query: str = DEFAULT_QUERY
     query_template: str | None = None  # None: "{query}" (qvhighlights: QVH_QUERY_TEMPLATE)
     jpeg_quality: int = 95
-    decoder: str = DEFAULT_BACKEND  # prep/decoders.py: decord | torchcodec | pyav
+    decoder: str = DEFAULT_BACKEND  # prep/decoders.py: auto | decord | torchcodec | pyav; auto resolved at once
     samples_per_shard: int | None = None  # None: prep.shards.shard_samples picks it from the build's windows
     shard_size_mb: float | None = 1024.0
     workers: int | None = None  # None: all cores available to this process (--ray: shard tasks in flight, None: no cap)
@@ -137,6 +137,7 @@ class BuildConfig:
             self.stride_seconds = self.window_seconds
         if self.query_template is None:
             self.query_template = QVH_QUERY_TEMPLATE if self.format == "qvhighlights" else "{query}"
+        self.decoder = resolve(self.decoder)  # build.json, the fingerprint and every worker see the one that decodes
         if self.workers is None and self.ray is None:
             self.workers = _cores()
 
@@ -943,12 +944,16 @@ def _rate(x: float, seconds: float) -> float | None:
 
 def _check_plan(out: Path, config: BuildConfig, groups: list[list[str]]) -> None:
     """A resumed build must be the same build: same content-deciding config, same video -> shard plan."""
-    plan = {"config_fingerprint": config.fingerprint(), "shards": {shard_name(i): g for i, g in enumerate(groups)}}
+    plan = {"config_fingerprint": config.fingerprint(), "shards": {shard_name(i): g for i, g in enumerate(groups)},
+            "decoder": config.decoder}  # named in the error below (`--decoder auto` may pick another on another machine)
     path = out / PLAN_FILE
     if path.is_file():
         old = json.loads(path.read_text())
-        if old != plan:
+        if [old.get(k) for k in ("config_fingerprint", "shards")] != [plan["config_fingerprint"], plan["shards"]]:
             what = "config" if old.get("config_fingerprint") != plan["config_fingerprint"] else "inputs (videos/annotations)"
+            if old.get("decoder", config.decoder) != config.decoder:
+                what += (f": it was decoded with {old['decoder']}, this run decodes with {config.decoder} (pass "
+                         f"--decoder {old['decoder']})")
             raise BuildError(f"{out} holds a build with different {what}; rerun with --overwrite to rebuild it, "
                              f"or choose another --out")
         return
@@ -1116,9 +1121,11 @@ def parser() -> argparse.ArgumentParser:
       help="how an annotation's own query becomes the instruction, with {query} (default: '{query}'; "
            "qvhighlights: a moment-retrieval instruction)")
     a("--jpeg-quality", type=int, default=95, help="JPEG quality of the stored frames")
-    a("--decoder", choices=BACKENDS, default=DEFAULT_BACKEND,
-      help="video decoder (prep/decoders.py): decord, torchcodec (needs the system FFmpeg libraries) or pyav "
-           "(fallback); same frame indices and timestamps, pixels within 1 level (README); the probe uses decord. "
+    a("--decoder", choices=(AUTO, *BACKENDS), default=DEFAULT_BACKEND,
+      help=f"video decoder (prep/decoders.py): {AUTO} (default) takes the first of {', '.join(AUTO_ORDER)} that loads "
+           "here, qwen-vl-utils' own order; torchcodec needs the system FFmpeg libraries and costs 1.4-3.8 s of "
+           "imports, so on a few minutes of video decord finishes first. Same frame indices and timestamps, pixels "
+           "within 1 level (README); the probe uses decord. "
            f"decord decodes only {', '.join(DECORD_EXACT_CODECS)}: it returns neighbouring frames on HEVC and "
            f"MPEG-4 with B-frames, so other codecs are decoded by {EXACT_FALLBACK} (build.json decode.backends)")
     a("--samples-per-shard", type=int, default=None,

@@ -40,7 +40,7 @@ import numpy as np
 from PIL import Image
 
 from prep import faults
-from prep.decoders import DEFAULT_BACKEND, DecodeError, open_reader
+from prep.decoders import REFERENCE_BACKEND, DecodeError, open_reader
 
 RESIZE = ("torch uint8 bicubic, antialias=True, to the planned size (within 1 level of PIL bicubic; within 3 "
           "levels of qwen-vl-utils' torchvision bicubic antialias, as PIL)")
@@ -88,7 +88,7 @@ def encode_frame(frame: np.ndarray, height: int, width: int, quality: int) -> by
     return buf.getvalue()
 
 
-def decode_windows(path: str, frame_indices: Sequence[Sequence[int]], *, backend: str = DEFAULT_BACKEND,
+def decode_windows(path: str, frame_indices: Sequence[Sequence[int]], *, backend: str = REFERENCE_BACKEND,
                    num_threads: int = 1, rotation: int = 0) -> Iterator[tuple[int, list[np.ndarray]]]:
     """Yield (window position, its frames as HxWx3 uint8 arrays at source size) in window order.
 

@@ -1,4 +1,4 @@
-"""One reader interface over three video decoders: `--decoder decord|torchcodec|pyav`.
+"""One reader interface over three video decoders: `--decoder auto|decord|torchcodec|pyav`.
 
     reader = open_reader("torchcodec", path, num_threads=1, rotation=probe.rotation)
     frames = reader.get_batch([0, 15, 30])  # (3, H, W, 3) uint8, displayed orientation
@@ -7,11 +7,14 @@
 Frame numbers are the probe's (prep/probe.py: decord's count and average fps decide the indices and the
 timestamps, whatever the backend), so every backend returns frame i of the same numbering: the i-th frame in
 presentation order. What each backend is:
-    decord      the design card's default (0.6.0, unmaintained since 2021; its get_batch hang is the watchdog's
-                reason to exist). Seeks to the keyframe before each batch.
+    decord      the design card's decoder (0.6.0, unmaintained since 2021; its get_batch hang is the watchdog's
+                reason to exist), `auto`'s where torchcodec cannot load, and the one `prep verify` re-decodes with.
+                Seeks to the keyframe before each batch.
     torchcodec  PyTorch's maintained decoder (CPU here; seek_mode="exact" scans the file once so frame indices
-                are exact). Needs the system FFmpeg shared libraries (Debian 12: libavcodec59 libavformat59
-                libavdevice59 libavfilter8 libswscale6 libswresample4 libavutil57).
+                are exact), `auto`'s first choice, as it is qwen-vl-utils' (the reference's) when installed: the
+                same frames for 0.57-0.92x decord's CPU (BENCHMARKS.md, Prep, session 22). Needs the system FFmpeg
+                shared libraries (Debian 12: libavcodec59 libavformat59 libavdevice59 libavfilter8 libswscale6
+                libswresample4 libavutil57).
     pyav        PyAV's bundled FFmpeg (always installed: the probe uses it): frames identified by their
                 presentation timestamps from the demuxed packets, so it may seek to a keyframe and still know
                 each frame's number (_PyAV says how); without usable timestamps it decodes forward from the
@@ -42,7 +45,11 @@ from typing import Protocol
 import numpy as np
 
 BACKENDS = ("decord", "torchcodec", "pyav")
-DEFAULT_BACKEND = "decord"
+# `--decoder auto` (the default) takes the first of these that loads here: qwen-vl-utils' own order
+# (vision_process.get_video_reader_backend: torchcodec, then decord), PyAV last
+AUTO, AUTO_ORDER = "auto", ("torchcodec", "decord", "pyav")
+DEFAULT_BACKEND = AUTO
+REFERENCE_BACKEND = "decord"  # the design card's decoder: `prep verify` re-decodes with it, whatever built the shards
 PACKAGE = {"decord": "decord", "torchcodec": "torchcodec", "pyav": "av"}  # what to pip install for each
 # the codecs (PyAV names) decord's frames equal PyAV's on, across GOPs with B-frames (tests/test_decoders.py);
 # mjpeg is intra-only, so a seek cannot land off
@@ -74,6 +81,14 @@ def backend_for(requested: str, codec: str) -> str:
     if requested == "decord" and codec not in DECORD_EXACT_CODECS:
         return EXACT_FALLBACK
     return requested
+
+
+def resolve(requested: str) -> str:
+    """The backend a build asking for `requested` decodes with: `auto` -> the first of AUTO_ORDER that loads here
+    (loading torchcodec costs 1.4-3.8 s of imports once per process: README), any other request as asked."""
+    if requested != AUTO:
+        return requested
+    return next((b for b in AUTO_ORDER if available(b) is None), REFERENCE_BACKEND)
 
 
 def available(backend: str) -> str | None:

@@ -34,7 +34,7 @@ import numpy as np
 from PIL import Image
 
 from prep.budget import SPATIAL_MERGE, FramePlan, VideoBudget, group_times, plan_frames
-from prep.decoders import DEFAULT_BACKEND, DecodeError, backend_for, open_reader
+from prep.decoders import REFERENCE_BACKEND, DecodeError, backend_for, open_reader
 from schemas.build import BuildRecord, ShardFile
 from schemas.manifest import RejectRecord, SampleRecord, read_records
 from schemas.shard import ShardError, ShardReader, ShardSample
@@ -237,7 +237,7 @@ def _redecode(rec: SampleRecord, source: Path, frames: list[bytes], max_diff: fl
     """The sample's frames decoded again in one batch (not the build's windowed decoder) by the reference
     decoder of its codec (decord, or PyAV for the codecs decord's seeks get wrong: prep/decoders.py backend_for)
     + PIL bicubic, vs the stored JPEGs."""
-    backend = backend_for(DEFAULT_BACKEND, rec.source_codec)
+    backend = backend_for(REFERENCE_BACKEND, rec.source_codec)
     try:
         reader = open_reader(backend, str(source), rotation=rec.source_rotation)
         try:

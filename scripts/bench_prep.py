@@ -1,7 +1,7 @@
 """Benchmark `prep build` against today's per-window decoding and against the plain decode floor.
 
 Run: python -m scripts.bench_prep [--videos DIR | --synth 32] [--workers 1 2] [--repeats 3] [--warm-up each]
-                                  [--ray] [--decoder decord] [--samples-per-shard N] [--markdown BENCHMARKS.md]
+                                  [--ray] [--decoder auto] [--samples-per-shard N] [--markdown BENCHMARKS.md]
 
 The same videos and the same windows go through three legs (four with --ray), interleaved (the leg order
 rotates every repeat, after one untimed warm-up round), and the medians are compared:
@@ -560,7 +560,7 @@ def missing_packages(args) -> list[str]:
 
     needs = {"qwen_vl_utils": "the fetch leg (pip install qwen-vl-utils)", "decord": "the floor leg (pip install decord)",
              "av": "synthetic videos and the pyav decoder (pip install av)"}
-    if args.decoder not in ("decord", "pyav"):  # their modules are checked above (pyav is av)
+    if args.decoder not in ("auto", "decord", "pyav"):  # their modules are checked above (pyav is av; auto: any)
         needs[args.decoder] = f"--decoder {args.decoder}"
     if args.ray:
         needs["ray"] = "--ray (pip install ray)"
@@ -580,7 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to compare")
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats per leg and worker count (after a warm-up)")
     ap.add_argument("--ray", action="store_true", help="add the ray leg: the build on a local Ray cluster (pip install ray)")
-    ap.add_argument("--decoder", default="decord", help="--decoder of the build (and ray) leg: decord, torchcodec, pyav")
+    ap.add_argument("--decoder", default="auto",
+                    help="--decoder of the build (and ray) leg: auto (prep build's default), decord, torchcodec, pyav; "
+                         "the floor always decodes with decord")
     ap.add_argument("--samples-per-shard", type=int, default=None,
                     help="--samples-per-shard of the build legs (default: the most windows of any video: a shard per video)")
     ap.add_argument("--markdown", type=Path, default=Path("BENCHMARKS.md"), help="file whose '## Prep' section is rewritten")
@@ -589,6 +591,9 @@ def main(argv: list[str] | None = None) -> int:
     if missing := missing_packages(args):
         ap.error("missing packages: " + "; ".join(missing))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from prep.decoders import resolve
+
+    args.decoder = resolve(args.decoder)  # the one the build legs decode with, as prep build resolves it
     t_start = time.perf_counter()
     if args.synth:
         args.videos = issue_videos(args.cache_dir, args.synth)

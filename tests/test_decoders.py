@@ -8,6 +8,7 @@ within 3 levels (mean <= 0.2) of qwen-vl-utils' torchvision path, as PIL's was.
 from __future__ import annotations
 
 import io
+import sys
 import time
 
 import numpy as np
@@ -16,7 +17,7 @@ from PIL import Image
 
 from prep.build import BuildConfig, build
 from prep.decode import decode_windows, resize_frame
-from prep.decoders import BACKENDS, DECORD_EXACT_CODECS, DecodeError, available, backend_for, open_reader
+from prep.decoders import AUTO, BACKENDS, DECORD_EXACT_CODECS, DecodeError, available, backend_for, open_reader, resolve
 from prep.faults import FAULT_ENV
 from prep.probe import probe_video
 from schemas.build import BuildRecord
@@ -117,8 +118,19 @@ def _frames(root) -> dict[str, list[bytes]]:
     return {rec.sample_id: reader.read(rec)[1] for rec in read_records(root / "manifest.parquet", SampleRecord)}
 
 
-@pytest.mark.parametrize("backend", ["torchcodec", "pyav"])
-def test_a_build_with_each_backend_matches_the_decord_build_and_its_watchdog_holds(
+def test_auto_takes_torchcodec_where_it_loads_and_decord_where_it_does_not(synth_videos_dir, tmp_path, monkeypatch):
+    """`--decoder auto` (the default) follows qwen-vl-utils' order; the build records the backend it resolved to."""
+    assert available("torchcodec") is None  # the test extras install it (README)
+    assert resolve(AUTO) == "torchcodec" and resolve("pyav") == "pyav"
+    assert BuildConfig(videos=synth_videos_dir, out=tmp_path).decoder == "torchcodec"
+    monkeypatch.setitem(sys.modules, "torchcodec.decoders", None)  # as where torchcodec or its FFmpeg is missing
+    assert "--decoder torchcodec cannot load here" in available("torchcodec")
+    assert resolve(AUTO) == "decord"
+    assert BuildConfig(videos=synth_videos_dir, out=tmp_path, decoder=AUTO).decoder == "decord"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_build_with_each_backend_matches_the_default_build_and_its_watchdog_holds(
         backend, synth_videos_dir, built_shards, tmp_path, monkeypatch):
     # pyav: vid_b's decoder blocks after its first window; the watchdog is the distributor's, not decord's
     hang = backend == "pyav"
@@ -232,7 +244,7 @@ def test_codecs_decord_gets_wrong_are_decoded_by_pyav(codec, tmp_path):
 
     (videos / "annotations.jsonl").write_text(f'{{"id": "clip", "video": "{codec}.mp4", "segments": [[1.0, 3.0]]}}\n')
     out = tmp_path / "out"
-    build(BuildConfig(videos=videos, out=out, **BUILT_SHARDS_ARGS))
+    build(BuildConfig(videos=videos, out=out, decoder="decord", **BUILT_SHARDS_ARGS))
     decode = BuildRecord.read(out).decode
     assert (decode.backend, decode.backends) == ("decord", {codec: "pyav"})
     reader = ShardReader(out)

@@ -555,6 +555,12 @@ def test_kill_9_then_rerun_gives_every_sample_once(synth_videos_dir, tmp_path):
     # a different config into the same --out is refused instead of mixing two builds
     with pytest.raises(BuildError, match="--overwrite"):
         build(BuildConfig(**{**config, "jpeg_quality": 80}))
+    # and so is another decoder, named: `--decoder auto` picks per machine (torchcodec where it loads)
+    built_with = json.loads((out / "build.json").read_text())["decode"]["backend"]
+    other = "pyav" if built_with != "pyav" else "decord"
+    with pytest.raises(BuildError, match=f"decoded with {built_with}, this run decodes with {other} "
+                                         f"\\(pass --decoder {built_with}\\)"):
+        build(BuildConfig(**{**config, "decoder": other}))
 
 
 def test_overwrite_removes_every_old_file_and_a_dead_builds_discard_folder(synth_videos_dir, tmp_path):
