@@ -1164,7 +1164,7 @@ def config_from_args(args: argparse.Namespace) -> BuildConfig:
     return BuildConfig(**values)
 
 
-def summary_lines(summary: dict, out: Path) -> list[str]:
+def summary_lines(summary: dict, out: Path, decoded_with: str) -> list[str]:
     th = summary["throughput"]
     lines = [
         f"prep build: {summary['samples']} samples from {summary['videos']} videos in {summary['shards']} shards "
@@ -1174,7 +1174,7 @@ def summary_lines(summary: dict, out: Path) -> list[str]:
         f"{th['videos_per_s']} videos/s, {th['windows_per_s']} windows/s, {th['realtime_factor']}x realtime",
         f"  rejects: {summary['rejects']}" + ("" if not summary["rejects"] else
                                             " (" + ", ".join(f"{k} {v}" for k, v in summary["rejects_by_reason"].items()) + ")"),
-        f"  wrote {out / 'manifest.parquet'}, {out / 'rejects.parquet'}, {out / 'build.json'}",
+        f"  decoded with {decoded_with}; wrote {out / 'manifest.parquet'}, {out / 'rejects.parquet'}, {out / 'build.json'}",
     ]
     return lines
 
@@ -1205,7 +1205,8 @@ def cli(argv: list[str] | None = None) -> int:
               f"once every part is done, run the same command with --assemble instead of --part")
         print(json.dumps({"event": "prep_build_part_done", **summary}, sort_keys=True))
         return 0
-    print("\n".join(summary_lines(summary, config.out)))
+    decoded_with = config.decoder + (f" (--decoder {args.decoder})" if args.decoder != config.decoder else "")
+    print("\n".join(summary_lines(summary, config.out, decoded_with)))
     print(json.dumps({"event": "prep_build_done", **summary}, sort_keys=True))
     if summary["samples"] == 0:
         print(f"prep build: error: no sample was written; all inputs were rejected, see {config.out / 'rejects.parquet'}",

@@ -542,6 +542,8 @@ def test_kill_9_then_rerun_gives_every_sample_once(synth_videos_dir, tmp_path):
     assert sorted(tar_keys(out)) == sorted((r.shard, r.key) for r in records)
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
     shas = {e["name"]: e["sha256"] for e in json.loads((out / "build.json").read_text())["shard_files"]}
+    built_with = json.loads((out / "build.json").read_text())["decode"]["backend"]
+    assert f"  decoded with {built_with} (--decoder auto); wrote {out / 'manifest.parquet'}" in rerun.stdout
 
     # --overwrite rebuilds every shard; the shards are byte-identical (fixed tar metadata, same JPEGs)
     stats_mtime = (out / "shard-000000.stats.json").stat().st_mtime_ns
@@ -556,7 +558,6 @@ def test_kill_9_then_rerun_gives_every_sample_once(synth_videos_dir, tmp_path):
     with pytest.raises(BuildError, match="--overwrite"):
         build(BuildConfig(**{**config, "jpeg_quality": 80}))
     # and so is another decoder, named: `--decoder auto` picks per machine (torchcodec where it loads)
-    built_with = json.loads((out / "build.json").read_text())["decode"]["backend"]
     other = "pyav" if built_with != "pyav" else "decord"
     with pytest.raises(BuildError, match=f"decoded with {built_with}, this run decodes with {other} "
                                          f"\\(pass --decoder {built_with}\\)"):
