@@ -483,8 +483,6 @@ def markdown_section(res: dict, command: str, videos_label: str) -> str:
                 if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
     r = res["ratios"]
     lines = [
-        "## Prep",
-        "",
         f"Command: `{command}`" + (f" (decoder {res['decoder']}, {res['samples_per_shard']} samples per shard)"),
         "",
         f"Machine: {res['cores']} CPU cores ({cpu}), no GPU; Python {platform.python_version()}; {_versions()}. "
@@ -541,15 +539,24 @@ def markdown_section(res: dict, command: str, videos_label: str) -> str:
     return "\n".join(lines)
 
 
-def write_markdown(path: Path, section: str) -> None:
-    """Replace the `## Prep` section of path (create the file when missing), keep the others."""
+GENERATED = ("<!-- scripts/bench_prep writes from here to the end mark; the rest of the section is kept -->",
+             "<!-- end of scripts/bench_prep's lines -->")
+
+
+def write_markdown(path: Path, lines: str) -> None:
+    """Put the bench's lines between the GENERATED marks of path's `## Prep` section (the section, the marks or
+    the file made when missing) and keep everything else: the hand-written paragraphs and sub-sections of earlier
+    runs below it are the history (before session 23 a run replaced the whole section, every ### in it included)."""
     text = path.read_text() if path.exists() else "# Benchmarks\n\nMeasured numbers, with the command that produced them.\n\n"
-    start = text.find("## Prep\n")
-    if start == -1:
-        text = text.rstrip("\n") + "\n\n" + section
+    block = f"{GENERATED[0]}\n\n{lines.strip()}\n\n{GENERATED[1]}\n"
+    start, end = text.find(GENERATED[0]), text.find(GENERATED[1])
+    if 0 <= start < end:
+        text = text[:start] + block + text[end + len(GENERATED[1]) + 1:]
+    elif (heading := text.find("## Prep\n")) != -1:
+        at = heading + len("## Prep\n")
+        text = text[:at] + "\n" + block + text[at:]
     else:
-        end = text.find("\n## ", start + 1)
-        text = text[:start] + section.rstrip("\n") + "\n\n" + (text[end + 1:] if end != -1 else "")
+        text = text.rstrip("\n") + "\n\n## Prep\n\n" + block
     path.write_text(text.rstrip("\n") + "\n")
 
 

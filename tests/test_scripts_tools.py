@@ -18,15 +18,24 @@ from scripts.bench_prep import _rounds, ratio_lines, write_annotations, write_ma
 from scripts.build_wheelhouse import applies, pin, target_env, wheel_requirements
 
 
-def test_markdown_replaces_only_the_prep_section(tmp_path):
+def test_markdown_replaces_only_the_benchs_own_lines(tmp_path):
     md = tmp_path / "BENCHMARKS.md"
-    write_markdown(md, "## Prep\n\nfirst\n")
-    assert md.read_text().startswith("# Benchmarks") and "first" in md.read_text()
-    md.write_text(md.read_text() + "\n## Train\n\ntrain numbers\n")
-    write_markdown(md, "## Prep\n\nsecond\n")
+    write_markdown(md, "first\n")
+    assert md.read_text().startswith("# Benchmarks") and "## Prep\n\n" in md.read_text() and "first" in md.read_text()
+    md.write_text(md.read_text() + "\nhand-written reading\n\n### 16 cores, an earlier run\n\nits table\n"
+                  "\n## Train\n\ntrain numbers\n")
+    write_markdown(md, "second\n")
     text = md.read_text()
-    assert "second" in text and "first" not in text and "## Train\n\ntrain numbers" in text
-    assert text.count("## Prep") == 1
+    assert "second" in text and "first" not in text and text.count("## Prep") == 1
+    assert text.index("second") < text.index("hand-written reading") < text.index("### 16 cores, an earlier run\n\nits table")
+    assert "## Train\n\ntrain numbers" in text
+    # a Prep section written before the marks existed keeps all it had; the bench's lines go first
+    old = tmp_path / "old.md"
+    old.write_text("# Benchmarks\n\n## Prep\n\nCommand: old\n\n### 2 cores, session 16\n\nhistory\n\n## Train\n\nt\n")
+    write_markdown(old, "new run\n")
+    text = old.read_text()
+    assert text.index("## Prep") < text.index("new run") < text.index("Command: old") < text.index("history")
+    assert text.endswith("## Train\n\nt\n")
 
 
 def test_bench_annotates_every_video(tmp_path):
