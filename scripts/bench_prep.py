@@ -474,7 +474,7 @@ def ratio_lines(res: dict) -> list[str]:
 def _versions() -> str:
     from schemas.versions import package_versions
 
-    found = package_versions(("decord", "qwen-vl-utils", "torch", "torchvision", "pillow"))
+    found = package_versions(("decord", "torchcodec", "av", "ray", "qwen-vl-utils", "torch", "torchvision", "pillow"))
     return ", ".join(f"{pkg} {v}" for pkg, v in found.items() if v and pkg != "python")
 
 
