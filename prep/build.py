@@ -954,8 +954,9 @@ def _check_plan(out: Path, config: BuildConfig, groups: list[list[str]]) -> None
             if old.get("decoder", config.decoder) != config.decoder:
                 what += (f": it was decoded with {old['decoder']}, this run decodes with {config.decoder} (pass "
                          f"--decoder {old['decoder']})")
-            raise BuildError(f"{out} holds a build with different {what}; rerun with --overwrite to rebuild it, "
-                             f"or choose another --out")
+            redo = ("empty it and run every part again" if config.part or config.assemble  # neither may --overwrite
+                    else "rerun with --overwrite to rebuild it")
+            raise BuildError(f"{out} holds a build with different {what}; {redo}, or choose another --out")
         return
     leftovers = [p.name for p in our_files(out) if p.name.startswith("shard-")]
     if leftovers:

@@ -41,6 +41,12 @@ def test_parts_then_assemble_give_the_one_run_build_and_locks_keep_them_apart(sy
     assert not (out / "shard-000000.tar").exists()
     with pytest.raises(BuildError, match=r"--assemble: 1 of 2 shards are not complete: shard-000000 \(not built\)"):
         build(BuildConfig(videos=synth_videos_dir, out=out, assemble=True, **BUILT_SHARDS_ARGS))
+    # a part whose machine decodes with another backend (`--decoder auto` resolves per machine) is refused
+    built_with = BuildRecord.read(built_shards).decode.backend  # the default, as part 2's
+    other = "pyav" if built_with != "pyav" else "decord"
+    with pytest.raises(BuildError, match=rf"different config: it was decoded with {built_with}, this run decodes with "
+                                         rf"{other} \(pass --decoder {built_with}\); empty it and run every part again"):
+        build(BuildConfig(videos=synth_videos_dir, out=out, part="1/2", decoder=other, **BUILT_SHARDS_ARGS))
     summary = build(BuildConfig(videos=synth_videos_dir, out=out, part="1/2", **BUILT_SHARDS_ARGS))
     assert (summary["shards"], summary["shards_built"], summary["samples"]) == (1, 1, 6)
     summary = build(BuildConfig(videos=synth_videos_dir, out=out, assemble=True, **BUILT_SHARDS_ARGS))
