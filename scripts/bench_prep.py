@@ -47,6 +47,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from prep.decoders import AUTO, DEFAULT_BACKEND, resolve
+
 SYNTH = dict(count=4, duration_s=60.0, fps=30.0, width=640, height=360)
 ISSUE_SET = dict(duration_s=30.0, fps=30.0, width=640, height=360)  # issue 10's set: --synth 32
 TARGETS = {"fetch_over_build": 1.5, "build_over_floor": 1.3, "ray_over_build": 1.1, "realtime": 600}
@@ -567,7 +569,7 @@ def missing_packages(args) -> list[str]:
 
     needs = {"qwen_vl_utils": "the fetch leg (pip install qwen-vl-utils)", "decord": "the floor leg (pip install decord)",
              "av": "synthetic videos and the pyav decoder (pip install av)"}
-    if args.decoder not in ("auto", "decord", "pyav"):  # their modules are checked above (pyav is av; auto: any)
+    if args.decoder not in (AUTO, "decord", "pyav"):  # their modules are checked above (pyav is av; auto: any)
         needs[args.decoder] = f"--decoder {args.decoder}"
     if args.ray:
         needs["ray"] = "--ray (pip install ray)"
@@ -587,8 +589,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to compare")
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats per leg and worker count (after a warm-up)")
     ap.add_argument("--ray", action="store_true", help="add the ray leg: the build on a local Ray cluster (pip install ray)")
-    ap.add_argument("--decoder", default="auto",
-                    help="--decoder of the build (and ray) leg: auto (prep build's default), decord, torchcodec, pyav; "
+    ap.add_argument("--decoder", default=DEFAULT_BACKEND,
+                    help=f"--decoder of the build (and ray) leg: {DEFAULT_BACKEND} (prep build's default), decord, torchcodec, pyav; "
                          "the floor always decodes with decord")
     ap.add_argument("--samples-per-shard", type=int, default=None,
                     help="--samples-per-shard of the build legs (default: the most windows of any video: a shard per video)")
@@ -598,8 +600,6 @@ def main(argv: list[str] | None = None) -> int:
     if missing := missing_packages(args):
         ap.error("missing packages: " + "; ".join(missing))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from prep.decoders import resolve
-
     args.decoder = resolve(args.decoder)  # the one the build legs decode with, as prep build resolves it
     t_start = time.perf_counter()
     if args.synth:
